@@ -1,0 +1,31 @@
+# Two commands matter: `make demo` and `make test`. Both create the virtual
+# environment on first use. CPU torch is pinned here (the package itself only
+# asks for torch>=2.11 so that GPU machines keep their own build).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_CPU := torch==2.13.0
+STAMP := $(VENV)/.kiln-installed
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_CPU)
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/kiln generate --model demo --prompt "Once upon a time" --max-tokens 48 --temperature 0
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) -m bench.decode
+
+clean:
+	rm -rf $(VENV) build *.egg-info
