@@ -117,6 +117,13 @@ def load_model(
                 continue  # some tied checkpoints store the shared matrix twice
             pname, shard = _target(name)
             if pname not in params:
+                if name.endswith((".weight", ".bias")):
+                    # A parameter the config does not account for (a bias, say): running
+                    # without it would silently give wrong outputs.
+                    raise CheckpointError(
+                        f"{file}: tensor {raw_name!r} has no place in a {config.architecture} built "
+                        "from config.json; the config and the weights disagree"
+                    )
                 logger.debug("ignoring tensor %s in %s", raw_name, file.name)
                 continue
             param = params[pname]

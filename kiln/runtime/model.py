@@ -88,9 +88,9 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.sliding_window = config.sliding_windows[layer_idx]
         self.qkv_proj = MergedLinear(
-            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=config.attention_bias
+            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         if config.qk_norm:
             self.q_norm: RMSNorm | None = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm: RMSNorm | None = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -116,9 +116,9 @@ class MLP(nn.Module):
         super().__init__()
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = MergedLinear(
-            config.hidden_size, [config.intermediate_size] * 2, bias=False
+            config.hidden_size, [config.intermediate_size] * 2, bias=config.mlp_bias
         )
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

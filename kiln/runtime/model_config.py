@@ -147,7 +147,9 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    qkv_bias: bool
+    o_proj_bias: bool
+    mlp_bias: bool
     qk_norm: bool
     rope: RopeConfig
     sliding_windows: tuple[int, ...]  # per layer; 0 = full attention
@@ -221,10 +223,12 @@ class ModelConfig:
         dtype_name = raw.get("dtype") or raw.get("torch_dtype")
         checkpoint_dtype = parse_dtype(dtype_name) if dtype_name else None
 
-        if arch == "Qwen2ForCausalLM":
-            bias = True
-        else:
-            bias = bool(raw.get("attention_bias", False))
+        # Qwen2 always has q/k/v bias and never an o_proj one; Llama and Qwen3 put
+        # `attention_bias` on all four projections; Mistral has none.
+        attention_bias = bool(raw.get("attention_bias", False)) and arch != "MistralForCausalLM"
+        qkv_bias = arch == "Qwen2ForCausalLM" or attention_bias
+        o_proj_bias = attention_bias and arch != "Qwen2ForCausalLM"
+        mlp_bias = arch == "LlamaForCausalLM" and bool(raw.get("mlp_bias", False))
 
         gen = generation_config or {}
         eos = gen.get("eos_token_id", raw.get("eos_token_id"))
@@ -242,7 +246,9 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bias,
+            qkv_bias=qkv_bias,
+            o_proj_bias=o_proj_bias,
+            mlp_bias=mlp_bias,
             qk_norm=arch == "Qwen3ForCausalLM",
             rope=_parse_rope(raw, source, max_pos),
             sliding_windows=_parse_sliding_windows(raw, arch, num_layers),

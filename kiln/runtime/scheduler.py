@@ -23,12 +23,13 @@ class ScheduledRequest:
     request: Request
     start: int  # first position computed this step
     num_tokens: int  # tokens computed this step
+    # True when this step reaches the end of the known tokens, so the logits of
+    # its last token pick the next one (fixed at scheduling time: the request
+    # grows once the token is appended).
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the end of the known tokens, so the logits
-        of its last token pick the next one."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_tokens == self.request.num_tokens
 
 
 @dataclass
