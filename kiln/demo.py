@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 from filelock import FileLock
@@ -48,7 +49,9 @@ def _corpus() -> list[str]:
         if module.__doc__:
             texts.append(module.__doc__)
         for attr in sorted(vars(module)):
-            doc = getattr(getattr(module, attr, None), "__doc__", None)
+            with warnings.catch_warnings():  # deprecated aliases warn on access
+                warnings.simplefilter("ignore")
+                doc = getattr(getattr(module, attr, None), "__doc__", None)
             if isinstance(doc, str) and len(doc) > 40:
                 texts.append(doc)
     return texts

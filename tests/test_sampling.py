@@ -1,0 +1,121 @@
+"""Sampling and stop conditions."""
+
+from __future__ import annotations
+
+import torch
+
+from kiln import Runtime, SamplingParams
+from kiln.runtime.sampler import Sampler, apply_top_k_top_p
+from tests.conftest import random_prompts
+
+
+def test_seeded_sampling_is_independent_of_the_batch(llama_checkpoint) -> None:
+    path, model = llama_checkpoint
+    prompts = random_prompts(4, [6, 13, 21, 9], model.config.vocab_size, seed=11)
+    seeded = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.95, seed=1234, ignore_eos=True)
+    rt = Runtime.load(path)
+    alone = rt.generate(prompts[0], seeded)[0].token_ids
+    assert rt.generate(prompts[0], seeded)[0].token_ids == alone  # reproducible
+    others = [
+        SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0.7, seed=99, ignore_eos=True),
+    ]
+    batch = rt.generate([prompts[1], prompts[0], prompts[2], prompts[3]], [others[0], seeded, others[1], others[2]])
+    assert batch[1].token_ids == alone
+    # and under a budget that chunks and preempts
+    tight = Runtime.load(path, max_num_batched_tokens=8, num_kv_blocks=12, block_size=4)
+    batch = tight.generate([prompts[1], prompts[2], prompts[0]], [others[0], others[1], seeded])
+    assert batch[2].token_ids == alone
+    different_seed = SamplingParams(**{**seeded.__dict__, "seed": 4321})
+    assert rt.generate(prompts[0], different_seed)[0].token_ids != alone
+
+
+def test_top_k_and_top_p_masks() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 10.0, 0.0]])
+    out = apply_top_k_top_p(logits, torch.tensor([2, 0]), None)
+    assert torch.isinf(out[0, [0, 3]]).all() and torch.isfinite(out[0, [1, 2]]).all()
+    assert torch.isfinite(out[1]).all()  # top_k=0 keeps everything
+    out = apply_top_k_top_p(logits, None, torch.tensor([0.5, 0.5]))
+    assert torch.isfinite(out[0]).sum() == 1 and out[0, 1] == 3.0
+    assert torch.isfinite(out[1]).sum() == 1 and out[1, 2] == 10.0
+
+
+def test_sampler_draws_only_allowed_tokens_and_greedy_is_argmax() -> None:
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, top_k=3),
+        SamplingParams(temperature=2.0, top_k=1),
+    ]
+    for step in range(20):
+        tokens = sampler(logits, params, [step] * 3)
+        assert tokens[0] == int(logits[0].argmax())
+        assert tokens[1] in logits[1].topk(3).indices.tolist()
+        assert tokens[2] == int(logits[2].argmax())
+
+
+def test_sampling_follows_the_distribution() -> None:
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = probs.log().expand(4000, 3).contiguous()
+    tokens = torch.tensor(sampler(logits, [SamplingParams(temperature=1.0)] * 4000, [0] * 4000))
+    freq = torch.bincount(tokens, minlength=3).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+def _greedy(rt: Runtime, prompt: list[int], n: int) -> list[int]:
+    return rt.generate(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].token_ids
+
+
+def test_stop_on_eos_and_stop_token_ids(llama_checkpoint) -> None:
+    path, model = llama_checkpoint
+    rt = Runtime.load(path)
+    prompt = random_prompts(1, [8], model.config.vocab_size, seed=21)[0]
+    free = _greedy(rt, prompt, 10)
+    target = free[4]
+    cut = free.index(target) + 1
+    out = rt.generate(prompt, SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[target]))[0]
+    assert out.token_ids == free[:cut] and out.finish_reason == "stop"
+    rt._eos_token_ids = (target,)  # as if the checkpoint declared it
+    out = rt.generate(prompt, SamplingParams(max_tokens=10, temperature=0))[0]
+    assert out.token_ids == free[:cut] and out.finish_reason == "stop"
+    out = rt.generate(prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == free and out.finish_reason == "length"
+
+
+def test_stop_on_max_model_len(llama_checkpoint) -> None:
+    path, model = llama_checkpoint
+    rt = Runtime.load(path, max_model_len=20)
+    prompt = random_prompts(1, [15], model.config.vocab_size, seed=22)[0]
+    out = rt.generate(prompt, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_stop_strings_cut_text_and_stream_never_leaks_them(demo_tokenizer_dir) -> None:
+    rt = Runtime.load(demo_tokenizer_dir)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    free = rt.generate("The quick brown fox", params)[0]
+    assert len(free.text) > 12
+    stop = free.text[8:11]
+    stopped = rt.generate("The quick brown fox", SamplingParams(**{**params.__dict__, "stop": [stop]}))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free.text[: free.text.index(stop)]
+    assert stopped.token_ids == free.token_ids[: len(stopped.token_ids)]
+    assert len(stopped.token_ids) < len(free.token_ids)
+    deltas = list(rt.stream("The quick brown fox", SamplingParams(**{**params.__dict__, "stop": stop})))
+    assert "".join(d.text for d in deltas) == stopped.text
+    assert deltas[-1].finish_reason == "stop"
+    assert sum((d.token_ids for d in deltas), []) == stopped.token_ids
+
+
+def test_stream_deltas_add_up_to_generate(demo_tokenizer_dir) -> None:
+    rt = Runtime.load(demo_tokenizer_dir)
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=5)
+    full = rt.generate("Hello world", params)[0]
+    deltas = list(rt.stream("Hello world", params))
+    assert "".join(d.text for d in deltas) == full.text
+    assert sum((d.token_ids for d in deltas), []) == full.token_ids
+    assert deltas[-1].finish_reason == full.finish_reason
+    assert all(d.finish_reason is None for d in deltas[:-1])
