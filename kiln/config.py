@@ -8,24 +8,26 @@ nothing from the rest of kiln.
 from __future__ import annotations
 
 import enum
+import logging
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
+    "DEFAULT_LEVEL",
+    "default_capture_sizes",
     "CUDAGraphMode",
     "CompilationConfig",
     "EngineConfig",
     "SUPPORTED_LEVELS",
-    "WORKING_LEVELS",
     "default_cache_dir",
 ]
 
 SUPPORTED_LEVELS = (0, 1, 2, 3)
-# Levels that run today. The compiler issue turns 1..3 on.
-WORKING_LEVELS = (0,)
-
+DEFAULT_LEVEL = 2
 
 class CUDAGraphMode(str, enum.Enum):
     """How a step may be replayed under CUDA graphs (GPU only)."""
@@ -59,40 +61,107 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "kiln"
 
 
+# What each level turns on. Fields a user sets explicitly are never replaced.
+_LEVEL_DEFAULTS: dict[int, dict[str, Any]] = {
+    0: {"compile_sizes": [], "inductor_options": {}, "cudagraph_mode": CUDAGraphMode.NONE},
+    1: {"compile_sizes": [], "inductor_options": {}, "cudagraph_mode": CUDAGraphMode.PIECEWISE},
+    2: {"compile_sizes": [1, 2, 4, 8], "inductor_options": {},
+        "cudagraph_mode": CUDAGraphMode.FULL_AND_PIECEWISE},
+    3: {"compile_sizes": [1, 2, 4, 8], "inductor_options": {"max_autotune": True},
+        "cudagraph_mode": CUDAGraphMode.FULL_AND_PIECEWISE},
+}
+DEFAULT_SPLITTING_OPS = ["kiln::attention"]
+
+
+def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
+    """1, 2, 4, then every multiple of 8 up to ``min(2 * max_num_seqs, 512)``,
+    never above the step's token budget."""
+    top = min(2 * max_num_seqs, 512, max_num_batched_tokens)
+    sizes = [s for s in (1, 2, 4) if s <= top] + list(range(8, top + 1, 8))
+    return sizes
+
+
 @dataclass
 class CompilationConfig:
     """What the compiler does at a given optimization level.
 
-    Fields left as ``None`` take the level's default; a field the user set keeps
-    the user's value whatever the level.
+    Fields left as ``None`` take the level's default when ``resolve`` runs; a
+    field the user set keeps the user's value whatever the level.
+
+    | level | compile                             | CUDA graphs (GPU)   |
+    |-------|-------------------------------------|---------------------|
+    | 0     | none (eager)                        | NONE                |
+    | 1     | piecewise, dynamic range only       | PIECEWISE           |
+    | 2     | piecewise, exact sizes + range      | FULL_AND_PIECEWISE  |
+    | 3     | as 2, plus Inductor autotuning      | FULL_AND_PIECEWISE  |
     """
 
-    level: int = 0
+    level: int = DEFAULT_LEVEL
     compile_sizes: list[int] | None = None
     splitting_ops: list[str] | None = None
     inductor_options: dict[str, Any] | None = None
     cudagraph_mode: CUDAGraphMode | None = None
     cudagraph_capture_sizes: list[int] | None = None
+    # names of the fields the user set (filled by __post_init__, kept by resolve)
+    user_set: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.level not in SUPPORTED_LEVELS:
+        if isinstance(self.level, bool) or self.level not in SUPPORTED_LEVELS:
             raise ValueError(
                 f"optimization_level={self.level!r} is not one of {list(SUPPORTED_LEVELS)}"
-            )
-        if self.level not in WORKING_LEVELS:
-            raise ValueError(
-                f"optimization level -O{self.level} is not available yet: the compiler is not "
-                "built in this version of kiln. Use -O0 (optimization_level=0), the eager "
-                "runtime, which is the working level."
             )
         if self.cudagraph_mode is not None:
             self.cudagraph_mode = CUDAGraphMode.parse(self.cudagraph_mode)
         for name in ("compile_sizes", "cudagraph_capture_sizes"):
             sizes = getattr(self, name)
             if sizes is not None:
-                if any(int(s) < 1 for s in sizes):
-                    raise ValueError(f"{name} must hold positive token counts, got {sizes!r}")
-                setattr(self, name, sorted({int(s) for s in sizes}))
+                if isinstance(sizes, (str, bytes)) or any(
+                    isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes
+                ):
+                    raise ValueError(f"{name} must be a list of positive token counts, got {sizes!r}")
+                setattr(self, name, sorted(set(sizes)))
+        if self.inductor_options is not None and not isinstance(self.inductor_options, dict):
+            raise ValueError(f"inductor_options must be a dict, got {self.inductor_options!r}")
+        if not self.user_set:
+            tunable = ("compile_sizes", "splitting_ops", "inductor_options", "cudagraph_mode",
+                       "cudagraph_capture_sizes")
+            self.user_set = frozenset(f for f in tunable if getattr(self, f) is not None)
+
+    def resolve(
+        self, *, device_type: str, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> "CompilationConfig":
+        """A copy with every field filled: the user's values, else the level's."""
+        d = _LEVEL_DEFAULTS[self.level]
+        compile_sizes = self.compile_sizes if self.compile_sizes is not None else d["compile_sizes"]
+        compile_sizes = [s for s in compile_sizes if s <= max_num_batched_tokens]
+        mode = self.cudagraph_mode if self.cudagraph_mode is not None else d["cudagraph_mode"]
+        if device_type != "cuda" and mode is not CUDAGraphMode.NONE:
+            logger.info("CUDA graphs need a GPU: cudagraph_mode %s resolves to NONE on %s", mode.value, device_type)
+            mode = CUDAGraphMode.NONE
+        capture = self.cudagraph_capture_sizes
+        if capture is None:
+            capture = default_capture_sizes(max_num_seqs, max_num_batched_tokens)
+        capture = [s for s in capture if s <= max_num_batched_tokens]
+        options = {**d["inductor_options"], **(self.inductor_options or {})}
+        return CompilationConfig(
+            level=self.level,
+            compile_sizes=compile_sizes,
+            splitting_ops=list(self.splitting_ops or DEFAULT_SPLITTING_OPS),
+            inductor_options=options,
+            cudagraph_mode=mode,
+            cudagraph_capture_sizes=capture,
+            user_set=self.user_set,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "level": self.level,
+            "compile_sizes": self.compile_sizes,
+            "splitting_ops": self.splitting_ops,
+            "inductor_options": self.inductor_options,
+            "cudagraph_mode": self.cudagraph_mode.value if self.cudagraph_mode else None,
+            "cudagraph_capture_sizes": self.cudagraph_capture_sizes,
+        }
 
 
 @dataclass

@@ -11,6 +11,7 @@ sample.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,8 +62,11 @@ class ModelRunner:
         max_model_len: int,
         device: torch.device,
         seed: int = 0,
+        forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.model = model
+        # the compiled model when there is one; ``model`` stays for its lm_head
+        self.forward = forward or model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -142,7 +146,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         context = ForwardContext(attn_metadata=meta, kv_caches=self.kv_caches)
         with set_forward_context(context):
-            hidden = self.model(self.input_ids.device[:n], self.positions.device[:n])
+            hidden = self.forward(self.input_ids.device[:n], self.positions.device[:n])
         logits = self.model.compute_logits(hidden[self.logits_indices.device[:num_samples]])
         t2 = time.perf_counter()
         sampling = [s for s in sched.scheduled if s.samples]

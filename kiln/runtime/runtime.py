@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from kiln.config import CompilationConfig, CUDAGraphMode, EngineConfig
+from kiln.compiler import CompileStats, compile_model
+from kiln.config import DEFAULT_LEVEL, CompilationConfig, CUDAGraphMode, EngineConfig
 from kiln.runtime.block_pool import BlockPool
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.loader import load_model
@@ -121,7 +122,7 @@ class Runtime:
         cls,
         path: "str | Path",
         *,
-        optimization_level: int = 0,
+        optimization_level: int = DEFAULT_LEVEL,
         device: "str | torch.device | None" = None,
         dtype: "torch.dtype | str | None" = None,
         max_model_len: int | None = None,
@@ -178,10 +179,11 @@ class Runtime:
         self.engine_config = self._resolve_engine(engine)
         e = self.engine_config
         assert e.max_model_len and e.block_size and e.max_num_batched_tokens and e.max_num_seqs
-        self.compilation_config = compilation
-        if compilation.cudagraph_mode not in (None, CUDAGraphMode.NONE) and self.device.type == "cpu":
-            logger.info("CUDA graphs need a GPU: cudagraph_mode %s resolves to NONE on CPU",
-                        compilation.cudagraph_mode.value)
+        self.compilation_config = compilation.resolve(
+            device_type=self.device.type,
+            max_num_seqs=e.max_num_seqs,
+            max_num_batched_tokens=e.max_num_batched_tokens,
+        )
 
         with timer("load_weights"):
             model = load_model(self.model_path, self.model_config, self.dtype, self.device, e.max_model_len)
@@ -199,6 +201,14 @@ class Runtime:
             logger.info("max_model_len capped at %d tokens, what the KV cache holds", e.max_model_len)
         e.num_kv_blocks = num_blocks
 
+        forward = None
+        stats = CompileStats()
+        if self.compilation_config.level > 0:
+            forward, stats = compile_model(
+                model, self.compilation_config, max_num_tokens=e.max_num_batched_tokens, device=self.device
+            )
+            timer.phases.update(stats.phases)
+        self.compiled = forward
         self.pool = BlockPool(num_blocks, e.block_size)
         self.scheduler = Scheduler(self.pool, e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len)
         self.runner = ModelRunner(
@@ -210,21 +220,24 @@ class Runtime:
             max_model_len=e.max_model_len,
             device=self.device,
             seed=e.seed,
+            forward=forward,
         )
         kv_bytes = sum(t.numel() * t.element_size() for t in kv_caches)
         self.startup_report = {
             "phases": timer.phases,
             "total_seconds": round(time.perf_counter() - t_start, 4),
             "optimization_level": compilation.level,
+            "compilation": self.compilation_config.to_dict(),
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "architecture": self.model_config.architecture,
-            "cudagraph_mode": CUDAGraphMode.NONE.value,
+            "cudagraph_mode": self.compilation_config.cudagraph_mode.value,  # type: ignore[union-attr]
             "attention_backend": "torch",
-            "dynamo_traces": 0,
-            "inductor_compiles": 0,
-            "pieces": 0,
-            "unique_pieces": 0,
+            "dynamo_traces": stats.dynamo_traces,
+            "inductor_compiles": stats.inductor_compiles,
+            "pieces": stats.pieces,
+            "unique_pieces": stats.unique_pieces,
+            "compile_seconds": stats.compile_seconds,
             "num_kv_blocks": num_blocks,
             "kv_cache_bytes": kv_bytes,
             "max_model_len": e.max_model_len,

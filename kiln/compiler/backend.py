@@ -1,0 +1,162 @@
+"""``compile_model``: trace once, split at attention, compile every unique compute
+piece per bucket, and stitch the result into a callable the runner uses in place
+of ``model.forward``."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from kiln.compiler.capture import CapturedGraph, GraphInput, capture
+from kiln.compiler.piecewise import PiecewiseBackend, inductor_compile, token_arg
+from kiln.compiler.split import SplitGraph, split_graph
+from kiln.config import CompilationConfig
+from kiln.forward_context import ForwardContext, set_forward_context
+from kiln.progress import Progress
+
+__all__ = ["CompileStats", "CompiledModel", "compile_model"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CompileStats:
+    dynamo_traces: int = 0
+    inductor_compiles: int = 0
+    pieces: int = 0
+    unique_pieces: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
+    # "piece <n> [<bucket>]" -> seconds, one entry per Inductor compilation
+    compile_seconds: dict[str, float] = field(default_factory=dict)
+
+
+class CompiledModel:
+    """Calls the split graph directly (no Dynamo, no guards) with the model's
+    parameters in the order the trace recorded them."""
+
+    def __init__(self, split: SplitGraph, inputs: list[GraphInput], model: nn.Module,
+                 backends: dict[str, PiecewiseBackend]) -> None:
+        self.split = split
+        self.inputs = inputs
+        self.backends = backends
+        tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
+        tensors.update(model.named_buffers())
+        self._args: list[Any] = [tensors[g.name] if g.kind == "param" else None for g in inputs]
+        self._dynamic = [(i, g.kind) for i, g in enumerate(inputs) if g.kind != "param"]
+
+    def arguments(self, input_ids: torch.Tensor, positions: torch.Tensor) -> list[Any]:
+        args = list(self._args)
+        n = input_ids.shape[0]
+        for i, kind in self._dynamic:
+            args[i] = input_ids if kind == "input_ids" else positions if kind == "positions" else n
+        return args
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out = self.split.module(*self.arguments(input_ids, positions))
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _record_piece_inputs(
+    split: SplitGraph, args: list[Any], wanted: set[str]
+) -> dict[str, list[Any]]:
+    """Run the split graph eagerly and keep the inputs each wanted piece received."""
+    seen: dict[str, list[Any]] = {}
+    module = split.module
+    for piece in split.compute_pieces:
+        if piece.name in wanted:
+            def recorder(*a: Any, _name: str = piece.name, _gm: fx.GraphModule = piece.graph_module) -> Any:
+                seen[_name] = list(a)
+                return _gm(*a)
+            module.__dict__[piece.name] = recorder
+    try:
+        with torch.no_grad(), set_forward_context(ForwardContext(attn_metadata=None, kv_caches=[])):
+            module(*args)
+    finally:
+        for name in wanted:
+            module.__dict__.pop(name, None)
+    return seen
+
+
+def compile_model(
+    model: nn.Module,
+    config: CompilationConfig,
+    *,
+    max_num_tokens: int,
+    device: torch.device,
+    progress: bool | None = None,
+) -> tuple[CompiledModel, CompileStats]:
+    """Piecewise-compile ``model`` for token counts ``[1, max_num_tokens]`` with
+    exact runnables for ``config.compile_sizes``. ``config`` must be resolved."""
+    stats = CompileStats()
+    t0 = time.perf_counter()
+    captured: CapturedGraph = capture(model, device)
+    stats.dynamo_traces += 1
+    t1 = time.perf_counter()
+    split = split_graph(captured.graph_module, list(config.splitting_ops or []))
+    t2 = time.perf_counter()
+    stats.phases["trace"] = round(t1 - t0, 4)
+    stats.phases["split"] = round(t2 - t1, 4)
+
+    compute = split.compute_pieces
+    representatives: dict[str, Any] = {}
+    for piece in compute:
+        representatives.setdefault(piece.signature, piece)
+    stats.pieces = len(compute)
+    stats.unique_pieces = len(representatives)
+    sizes = list(config.compile_sizes or [])
+    options = dict(config.inductor_options or {})
+
+    backends: dict[str, PiecewiseBackend] = {}
+    for sig, piece in representatives.items():
+        out_node = next(n for n in piece.graph_module.graph.nodes if n.op == "output")
+        backends[sig] = PiecewiseBackend(
+            sig, token_arg(piece.graph_module), max_num_tokens,
+            returns_tuple=isinstance(out_node.args[0], (tuple, list)),
+        )
+    index_of = {sig: i for i, sig in enumerate(representatives)}
+    named: dict[str, torch.Tensor] = dict(model.named_parameters())
+    named.update(model.named_buffers())
+
+    def example_args(n: int) -> list[Any]:
+        ids = torch.zeros(n, dtype=torch.long, device=device)
+        pos = torch.arange(n, dtype=torch.long, device=device)
+        return [
+            named[g.name] if g.kind == "param" else ids if g.kind == "input_ids" else pos if g.kind == "positions" else n
+            for g in captured.inputs
+        ]
+
+    total = len(representatives) * (1 + len(sizes))
+    with Progress(total, "compiling", enabled=progress) as bar:
+        for sig, piece in representatives.items():
+            fakes = [n.meta["example_value"] for n in piece.graph_module.graph.nodes if n.op == "placeholder"]
+            ts = time.perf_counter()
+            backends[sig].range = inductor_compile(piece.graph_module, fakes, dynamic=True, options=options)
+            label = f"piece {index_of[sig]} [range 1-{max_num_tokens}]"
+            stats.compile_seconds[label] = round(time.perf_counter() - ts, 4)
+            stats.inductor_compiles += 1
+            bar.update(label)
+        for n in sizes:
+            recorded = _record_piece_inputs(split, example_args(n), {p.name for p in representatives.values()})
+            for sig, piece in representatives.items():
+                ts = time.perf_counter()
+                backends[sig].exact[n] = inductor_compile(
+                    piece.graph_module, recorded[piece.name], dynamic=False, options=options
+                )
+                label = f"piece {index_of[sig]} [{n}]"
+                stats.compile_seconds[label] = round(time.perf_counter() - ts, 4)
+                stats.inductor_compiles += 1
+                bar.update(label)
+    for piece in compute:
+        split.module.__dict__[piece.name] = backends[piece.signature]
+    stats.phases["compile"] = round(time.perf_counter() - t2, 4)
+    logger.info(
+        "compiled %d pieces (%d unique) x %d buckets: %d Inductor compilations in %.1fs",
+        stats.pieces, stats.unique_pieces, 1 + len(sizes), stats.inductor_compiles, stats.phases["compile"],
+    )
+    return CompiledModel(split, captured.inputs, model, backends), stats
