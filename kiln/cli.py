@@ -8,8 +8,31 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
+
+from kiln.config import DEFAULT_LEVEL, CUDAGraphMode
 
 __all__ = ["main"]
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r}") from None
+    if any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"token counts must be positive, got {text!r}")
+    return sizes
+
+
+def _compilation_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Only the flags the user gave: a level's defaults must not be overwritten."""
+    overrides: dict[str, Any] = {}
+    if args.compile_sizes is not None:
+        overrides["compile_sizes"] = args.compile_sizes
+    if args.cudagraph_mode is not None:
+        overrides["cudagraph_mode"] = args.cudagraph_mode
+    return overrides
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -22,7 +45,14 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("-O", dest="level", type=int, default=0, choices=[0, 1, 2, 3], help="optimization level")
+    p.add_argument(
+        "-O", dest="level", type=int, default=DEFAULT_LEVEL, choices=[0, 1, 2, 3],
+        help=f"optimization level (default {DEFAULT_LEVEL}): 0 eager, 1 compiled range, 2 + exact sizes, 3 + autotuning",
+    )
+    p.add_argument("--compile-sizes", type=_sizes, default=None, metavar="N,N,...",
+                   help="token counts compiled exactly (default: the level's)")
+    p.add_argument("--cudagraph-mode", default=None, choices=[m.value for m in CUDAGraphMode],
+                   help="CUDA graph mode (GPU only; default: the level's)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -42,6 +72,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         cache_dir=args.cache_dir,
+        **_compilation_overrides(args),
     )
     if args.verbose:
         print(json.dumps(rt.startup_report, indent=2), file=sys.stderr)

@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from kiln import Runtime
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -32,6 +35,14 @@ BASE = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
+
+
+def load_eager(path: Any, **kwargs: Any) -> "Runtime":
+    """Runtime.load at -O0: the runtime tests need no compiler (tests/test_compiler.py has it)."""
+    from kiln import Runtime
+
+    kwargs.setdefault("optimization_level", 0)
+    return Runtime.load(path, **kwargs)
 
 
 def build_hf_model(family: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:

@@ -20,12 +20,20 @@ def _kiln(args: list[str], cache: Path) -> subprocess.CompletedProcess:
 
 def test_generate_streams_demo_text_and_summary(demo_tokenizer_dir: Path) -> None:
     cache = demo_tokenizer_dir.parent.parent  # the session's cache dir already holds the demo
-    proc = _kiln(["generate", "--prompt", "Hello", "--max-tokens", "12", "--ignore-eos", "-v"], cache)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip()
-    assert "kiln: 12 tokens" in proc.stderr and "tok/s" in proc.stderr and "startup" in proc.stderr
-    report = json.loads(proc.stderr[proc.stderr.index("{") : proc.stderr.index("}\n") + 1])
+    args = ["generate", "--prompt", "Hello", "--max-tokens", "12", "--ignore-eos", "-v"]
+    eager = _kiln([*args, "-O0"], cache)
+    assert eager.returncode == 0, eager.stderr
+    assert eager.stdout.strip()
+    assert "kiln: 12 tokens" in eager.stderr and "tok/s" in eager.stderr and "startup" in eager.stderr
+    report = json.loads(eager.stderr[eager.stderr.index("{\n") : eager.stderr.index("\n}\n") + 2])
     assert report["optimization_level"] == 0 and report["dynamo_traces"] == 0
+    compiled = _kiln([*args, "-O1", "--compile-sizes", "1", "--cudagraph-mode", "PIECEWISE"], cache)
+    assert compiled.returncode == 0, compiled.stderr
+    report = json.loads(compiled.stderr[compiled.stderr.index("{\n") : compiled.stderr.index("\n}\n") + 2])
+    assert report["optimization_level"] == 1 and report["dynamo_traces"] == 1
+    assert report["compilation"]["compile_sizes"] == [1]
+    assert report["cudagraph_mode"] == "NONE"  # resolved on CPU
+    assert compiled.stdout == eager.stdout
 
 
 def test_cli_error_is_one_clean_line(tmp_path: Path) -> None:

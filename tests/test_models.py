@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kiln import Runtime, SamplingParams
+from tests.conftest import load_eager
 from tests.conftest import build_hf_model, hf_greedy, random_prompts, save_checkpoint
 
 # name -> (family, config overrides, save options)
@@ -77,7 +78,7 @@ def test_greedy_matches_transformers(variant) -> None:
     name, path, model = variant
     prompts = random_prompts(3, PROMPT_LENGTHS, model.config.vocab_size, seed=1)
     expected = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
-    rt = Runtime.load(path)
+    rt = load_eager(path)
     outs = rt.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
     for i, (out, ref) in enumerate(zip(outs, expected)):
         assert out.token_ids == ref, f"{name}: prompt {i} diverged"
@@ -108,7 +109,7 @@ def _roundtrip_dtype(tmp_path: Path, save_dtype: torch.dtype) -> tuple[Path, tor
 
 def test_fp16_checkpoint_runs_in_fp32_on_cpu(tmp_path: Path) -> None:
     path, model = _roundtrip_dtype(tmp_path, torch.float16)
-    rt = Runtime.load(path)
+    rt = load_eager(path)
     assert rt.startup_report["dtype"] == "float32"
     prompt = random_prompts(1, [9], model.config.vocab_size, seed=4)[0]
     out = rt.generate(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
@@ -117,10 +118,10 @@ def test_fp16_checkpoint_runs_in_fp32_on_cpu(tmp_path: Path) -> None:
 
 def test_bf16_checkpoint_keeps_bf16_and_close_to_fp32(tmp_path: Path) -> None:
     path, model = _roundtrip_dtype(tmp_path, torch.bfloat16)
-    rt16 = Runtime.load(path)
+    rt16 = load_eager(path)
     assert rt16.startup_report["dtype"] == "bfloat16"
     assert rt16.runner.kv_caches[0].dtype == torch.bfloat16
-    rt32 = Runtime.load(path, dtype="float32")
+    rt32 = load_eager(path, dtype="float32")
     assert rt32.startup_report["dtype"] == "float32"
     prompt = random_prompts(1, [9], model.config.vocab_size, seed=5)[0]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

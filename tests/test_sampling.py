@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kiln import Runtime, SamplingParams
+from tests.conftest import load_eager
 from kiln.runtime.sampler import Sampler, apply_top_k_top_p
 from tests.conftest import random_prompts
 
@@ -13,7 +14,7 @@ def test_seeded_sampling_is_independent_of_the_batch(llama_checkpoint) -> None:
     path, model = llama_checkpoint
     prompts = random_prompts(4, [6, 13, 21, 9], model.config.vocab_size, seed=11)
     seeded = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.95, seed=1234, ignore_eos=True)
-    rt = Runtime.load(path)
+    rt = load_eager(path)
     alone = rt.generate(prompts[0], seeded)[0].token_ids
     assert rt.generate(prompts[0], seeded)[0].token_ids == alone  # reproducible
     others = [
@@ -24,7 +25,7 @@ def test_seeded_sampling_is_independent_of_the_batch(llama_checkpoint) -> None:
     batch = rt.generate([prompts[1], prompts[0], prompts[2], prompts[3]], [others[0], seeded, others[1], others[2]])
     assert batch[1].token_ids == alone
     # and under a budget that chunks and preempts
-    tight = Runtime.load(path, max_num_batched_tokens=8, num_kv_blocks=12, block_size=4)
+    tight = load_eager(path, max_num_batched_tokens=8, num_kv_blocks=12, block_size=4)
     batch = tight.generate([prompts[1], prompts[2], prompts[0]], [others[0], others[1], seeded])
     assert batch[2].token_ids == alone
     different_seed = SamplingParams(**{**seeded.__dict__, "seed": 4321})
@@ -71,7 +72,7 @@ def _greedy(rt: Runtime, prompt: list[int], n: int) -> list[int]:
 
 def test_stop_on_eos_and_stop_token_ids(llama_checkpoint) -> None:
     path, model = llama_checkpoint
-    rt = Runtime.load(path)
+    rt = load_eager(path)
     prompt = random_prompts(1, [8], model.config.vocab_size, seed=21)[0]
     free = _greedy(rt, prompt, 10)
     target = free[4]
@@ -87,14 +88,14 @@ def test_stop_on_eos_and_stop_token_ids(llama_checkpoint) -> None:
 
 def test_stop_on_max_model_len(llama_checkpoint) -> None:
     path, model = llama_checkpoint
-    rt = Runtime.load(path, max_model_len=20)
+    rt = load_eager(path, max_model_len=20)
     prompt = random_prompts(1, [15], model.config.vocab_size, seed=22)[0]
     out = rt.generate(prompt, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
 
 
 def test_stop_strings_cut_text_and_stream_never_leaks_them(demo_tokenizer_dir) -> None:
-    rt = Runtime.load(demo_tokenizer_dir)
+    rt = load_eager(demo_tokenizer_dir)
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     free = rt.generate("The quick brown fox", params)[0]
     assert len(free.text) > 12
@@ -111,7 +112,7 @@ def test_stop_strings_cut_text_and_stream_never_leaks_them(demo_tokenizer_dir) -
 
 
 def test_stream_deltas_add_up_to_generate(demo_tokenizer_dir) -> None:
-    rt = Runtime.load(demo_tokenizer_dir)
+    rt = load_eager(demo_tokenizer_dir)
     params = SamplingParams(max_tokens=24, temperature=0.8, seed=5)
     full = rt.generate("Hello world", params)[0]
     deltas = list(rt.stream("Hello world", params))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kiln import Runtime, SamplingParams
+from tests.conftest import load_eager
 from kiln.runtime.block_pool import BlockPool
 from kiln.runtime.request import Request
 from kiln.runtime.scheduler import Scheduler
@@ -22,14 +23,14 @@ def prompts(llama_checkpoint):
 @pytest.fixture(scope="module")
 def reference(llama_checkpoint, prompts):
     path, model = llama_checkpoint
-    rt = Runtime.load(path)
+    rt = load_eager(path)
     one_by_one = [rt.generate(p, GREEDY)[0].token_ids for p in prompts]
     assert one_by_one[0] == hf_greedy(model, prompts[0], GREEDY.max_tokens)
     return one_by_one
 
 
 def test_batch_equals_one_by_one(llama_checkpoint, prompts, reference) -> None:
-    rt = Runtime.load(llama_checkpoint[0])
+    rt = load_eager(llama_checkpoint[0])
     outs = rt.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference
 
@@ -37,7 +38,7 @@ def test_batch_equals_one_by_one(llama_checkpoint, prompts, reference) -> None:
 def test_tight_budget_chunks_and_preempts_without_changing_tokens(llama_checkpoint, prompts, reference) -> None:
     # 8 tokens a step forces 26- and 40-token prompts into chunks; 14 blocks of 4
     # slots (56 tokens) cannot hold six requests at once, so running ones are preempted.
-    rt = Runtime.load(llama_checkpoint[0], max_num_batched_tokens=8, num_kv_blocks=14, block_size=4, max_num_seqs=4)
+    rt = load_eager(llama_checkpoint[0], max_num_batched_tokens=8, num_kv_blocks=14, block_size=4, max_num_seqs=4)
     outs = rt.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert rt.scheduler.num_preemptions > 0
@@ -45,7 +46,7 @@ def test_tight_budget_chunks_and_preempts_without_changing_tokens(llama_checkpoi
 
 
 def test_requests_join_a_running_batch(llama_checkpoint, prompts, reference) -> None:
-    rt = Runtime.load(llama_checkpoint[0])
+    rt = load_eager(llama_checkpoint[0])
     first = rt.add_request(prompts[0], GREEDY)
     for _ in range(4):
         rt.step()

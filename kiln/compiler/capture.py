@@ -21,6 +21,8 @@ from kiln.forward_context import ForwardContext, set_forward_context
 __all__ = ["GraphInput", "CapturedGraph", "capture"]
 
 _LOCK = threading.Lock()
+# How many graphs Dynamo has handed to kiln in this process (tests read it).
+TRACE_COUNT = 0
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,8 @@ def capture(model: nn.Module, device: torch.device, example_tokens: int = 8) -> 
     result: list[CapturedGraph] = []
 
     def backend(gm: fx.GraphModule, example_inputs: list[object]) -> object:
+        global TRACE_COUNT
+        TRACE_COUNT += 1
         kinds = []
         for i, value in enumerate(example_inputs):
             if value is input_ids:

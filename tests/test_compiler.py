@@ -1,0 +1,143 @@
+"""-O1..-O3: one trace, split at attention, per-bucket pieces, dispatch by token count.
+
+Compiles are the slow part of the suite; every test here shares Inductor's cache,
+so a graph compiled once (the same piece at the same bucket) is a cache hit after.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln import CompilationConfig, CUDAGraphMode, Runtime, SamplingParams
+from kiln.compiler import TokenCountError
+from kiln.compiler import capture as capture_module
+from tests.conftest import build_hf_model, hf_greedy, load_eager, random_prompts, save_checkpoint
+from tests.test_models import VARIANTS
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+FAMILIES = {
+    "llama": "llama-gqa-legacy-rope",
+    "mistral": "mistral-headdim-sliding",
+    "qwen2": "qwen2-bias-tied-yarn-legacy",
+    "qwen3": "qwen3-qknorm-headdim",
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_case(request, tmp_path_factory):
+    family, overrides, save_opts = VARIANTS[FAMILIES[request.param]]
+    model = build_hf_model(family, seed=11, **overrides)
+    path = save_checkpoint(model, tmp_path_factory.mktemp(request.param), **save_opts)
+    prompts = random_prompts(3, [4, 13, 22], model.config.vocab_size, seed=2)
+    expected = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    eager = load_eager(path).generate(prompts, GREEDY)
+    assert [o.token_ids for o in eager] == expected
+    return path, prompts, expected
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_levels_match_eager_and_transformers(family_case, level) -> None:
+    path, prompts, expected = family_case
+    rt = Runtime.load(path, optimization_level=level)
+    assert rt.startup_report["dynamo_traces"] == 1
+    assert [o.token_ids for o in rt.generate(prompts, GREEDY)] == expected
+    # the tight budget of the runtime tests: chunked prefill and preemption, compiled
+    tight = Runtime.load(path, optimization_level=level, max_num_batched_tokens=8, num_kv_blocks=10,
+                         block_size=4, max_num_seqs=3)
+    assert [o.token_ids for o in tight.generate(prompts, GREEDY)] == expected
+    assert tight.scheduler.num_preemptions > 0
+
+
+@pytest.fixture(scope="module")
+def compiled_llama(llama_checkpoint):
+    path, model = llama_checkpoint
+    rt = Runtime.load(path, optimization_level=2, compile_sizes=[1, 2, 4])
+    return rt, model
+
+
+def test_startup_report_counts(compiled_llama) -> None:
+    rt, model = compiled_llama
+    r = rt.startup_report
+    layers = model.config.num_hidden_layers
+    assert r["optimization_level"] == 2
+    assert r["dynamo_traces"] == 1
+    assert r["pieces"] == layers + 1  # compute pieces between the layers' attention calls
+    assert r["unique_pieces"] == 3  # first, middle (shared by every layer), last
+    assert r["inductor_compiles"] == r["unique_pieces"] * (1 + 3)  # range + three exact sizes
+    assert len(r["compile_seconds"]) == r["inductor_compiles"]
+    for phase in ("load_weights", "trace", "split", "compile"):
+        assert r["phases"][phase] >= 0
+    assert r["cudagraph_mode"] == "NONE"  # CPU
+
+
+def test_decode_steps_cause_no_new_trace(compiled_llama) -> None:
+    rt, model = compiled_llama
+    traces = capture_module.TRACE_COUNT
+    calls = torch._dynamo.utils.counters["stats"]["calls_captured"]
+    prompt = random_prompts(1, [9], model.config.vocab_size, seed=3)[0]
+    out = rt.generate(prompt, GREEDY)[0]  # a 9-token prefill, then T=1 decode steps
+    assert out.token_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
+    assert capture_module.TRACE_COUNT == traces
+    assert torch._dynamo.utils.counters["stats"]["calls_captured"] == calls
+
+
+def test_dispatch_prefers_exact_size_then_range(compiled_llama) -> None:
+    rt, model = compiled_llama
+    backends = list(rt.compiled.backends.values())
+    vocab = model.config.vocab_size
+    rid = rt.add_request(random_prompts(1, [3], vocab, seed=4)[0], GREEDY)
+    rt.step()  # prefill of 3 tokens: no exact runnable for 3
+    assert {b.last_bucket for b in backends} == {"range"}
+    rt.step()  # one decode token: the exact size-1 runnable
+    assert {b.last_bucket for b in backends} == {1}
+    rt.abort(rid)
+    two = [rt.add_request(p, GREEDY) for p in random_prompts(2, [5, 7], vocab, seed=5)]
+    rt.step()
+    rt.step()  # two decode tokens: exact size 2
+    assert {b.last_bucket for b in backends} == {2}
+    for r in two:
+        rt.abort(r)
+    backend = backends[0]
+    assert backend.select(4)[1] == 4
+    assert backend.select(5)[1] == "range"
+    with pytest.raises(TokenCountError, match="no compiled runnable covers 100000 tokens"):
+        backend.select(100000)
+    with pytest.raises(TokenCountError):
+        backend.select(0)
+
+
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_explicit_settings_survive_every_level(level) -> None:
+    cfg = CompilationConfig(level=level, compile_sizes=[3, 5], cudagraph_mode="PIECEWISE",
+                            inductor_options={"max_autotune": False}, cudagraph_capture_sizes=[1, 2])
+    resolved = cfg.resolve(device_type="cuda", max_num_seqs=8, max_num_batched_tokens=64)
+    assert resolved.compile_sizes == [3, 5]
+    assert resolved.cudagraph_mode is CUDAGraphMode.PIECEWISE
+    assert resolved.cudagraph_capture_sizes == [1, 2]
+    assert resolved.inductor_options == {"max_autotune": False}
+    defaults = CompilationConfig(level=level).resolve(device_type="cuda", max_num_seqs=8, max_num_batched_tokens=64)
+    assert defaults.compile_sizes == {0: [], 1: [], 2: [1, 2, 4, 8], 3: [1, 2, 4, 8]}[level]
+    assert defaults.cudagraph_capture_sizes == [1, 2, 4, 8, 16]
+    assert defaults.inductor_options.get("max_autotune", False) == (level == 3)
+    on_cpu = cfg.resolve(device_type="cpu", max_num_seqs=8, max_num_batched_tokens=64)
+    assert on_cpu.cudagraph_mode is CUDAGraphMode.NONE and on_cpu.compile_sizes == [3, 5]
+
+
+def test_user_compile_sizes_reach_the_runtime(llama_checkpoint) -> None:
+    rt = Runtime.load(llama_checkpoint[0], optimization_level=1, compile_sizes=[2])
+    assert rt.startup_report["compilation"]["compile_sizes"] == [2]
+    assert rt.startup_report["inductor_compiles"] == 3 * 2
+    assert all(sorted(b.exact) == [2] for b in rt.compiled.backends.values())
+
+
+def test_compilations_do_not_grow_with_depth(tmp_path) -> None:
+    counts = {}
+    for layers in (2, 24):
+        model = build_hf_model("llama", num_hidden_layers=layers, hidden_size=32, intermediate_size=64,
+                               num_attention_heads=2, num_key_value_heads=1)
+        path = save_checkpoint(model, tmp_path / f"l{layers}")
+        r = Runtime.load(path, optimization_level=1).startup_report
+        counts[layers] = (r["inductor_compiles"], r["unique_pieces"], r["pieces"])
+    assert counts[2][:2] == counts[24][:2] == (3, 3)
+    assert (counts[2][2], counts[24][2]) == (3, 25)
