@@ -1,4 +1,4 @@
-"""Batch-1 greedy decode benchmark: kiln against eager transformers.
+"""Batch-1 greedy decode benchmark: kiln against transformers, eager and compiled.
 
 Run from the repository root::
 
@@ -8,9 +8,11 @@ Run from the repository root::
 One run measures, on the same checkpoint, dtype and prompt:
 
 * kiln's decode rate (tokens/s, prefill excluded) at each optimization level in
-  ``--levels`` (one row per level; only -O0 runs today, the others are recorded
-  as unavailable);
-* each baseline's decode rate (``--baselines``; today: transformers ``generate``);
+  ``--levels`` (one row per level, default -O0 and -O2; a level kiln refuses to
+  load is recorded as unavailable), and its cold start (load, trace and compile
+  into an empty compile cache);
+* each baseline's decode rate (``--baselines``: transformers ``generate`` eager,
+  and with a static cache under ``torch.compile``, whose compile time is reported);
 * kiln's per-step CPU time outside the model (runner prepare, sampler, and the
   rest of the engine step: scheduler, bookkeeping, streaming).
 
@@ -18,8 +20,12 @@ It prints a table and writes JSON to ``bench/results/decode-<device>-<timestamp>
 and ``bench/results/decode-<device>-latest.json``.
 
 Adding an optimization level needs nothing here but ``--levels``. Adding a
-baseline means writing a function with the signature of :func:`bench_transformers`
-and registering it in :data:`BASELINES`.
+baseline means writing an :class:`Engine` subclass (see :class:`TransformersEngine`)
+and registering it in :data:`BASELINES`; its ``summary`` dict becomes its entry
+under ``baselines`` in the JSON.
+
+The engines take turns (one timed run each per round) so that background load on
+a shared machine hits them alike; each row also reports the spread of its runs.
 """
 
 from __future__ import annotations
@@ -123,6 +129,9 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
         model = LlamaForCausalLM(config).to(torch.float32).eval()
         model.save_pretrained(tmp, safe_serialization=True)
         del model
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it private
         try:
             os.replace(tmp, target)
         except OSError:
@@ -167,8 +176,23 @@ def make_prompt(vocab_size: int, length: int, seed: int) -> list[int]:
 # ------------------------------------------------------------------------ measuring
 
 
+NOISY_SPREAD = 0.2  # runs whose rates differ by more than this (relative to the median) are flagged
+
+
 def _median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
+
+
+def rate_spread(rates: Sequence[float]) -> dict[str, float]:
+    """The best and worst of the per-run rates, and their spread relative to the
+    median: noise on a shared machine only ever slows a run down, so a large spread
+    means the median may be pessimistic."""
+    median = _median(rates)
+    return {
+        "best_decode_tokens_per_s": max(rates),
+        "worst_decode_tokens_per_s": min(rates),
+        "spread": (max(rates) - min(rates)) / median if median > 0 else float("inf"),
+    }
 
 
 def _sync(device: str) -> None:
@@ -176,202 +200,308 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _kiln_stream_once(rt: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    """One streamed greedy request, timed per step.
+class Engine:
+    """One configuration being measured: loaded when built, warmed up once, then
+    timed one run at a time so that several engines can take turns.
 
-    The first delta arrives after the prefill step; every later delta is one
-    decode step. Decode figures cover the steps from the first delta to the last;
-    the runner's cumulative stats are snapshotted at both ends.
+    Subclasses set ``engine`` and ``label`` and implement ``warmup``, ``run_once``
+    and ``summary``. ``summary`` returns the engine's result: a dict holding at
+    least ``engine``, ``label``, ``decode_tokens_per_s``, ``ms_per_token``,
+    ``token_ids`` and ``runs``.
     """
-    from kiln import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    tokens: list[int] = []
-    first_tokens = 0
-    t_first = t_last = 0.0
-    stats_first: dict[str, float] = {}
-    t_submit = time.perf_counter()
-    for delta in rt.stream(prompt, params):
-        now = time.perf_counter()
-        if not tokens:
-            t_first = now
-            stats_first = dataclasses.asdict(rt.stats)
-            first_tokens = len(delta.token_ids)
-        tokens.extend(delta.token_ids)
-        t_last = now
-    stats_last = dataclasses.asdict(rt.stats)
+    engine: str = ""
+    label: str = ""
 
-    decode_tokens = len(tokens) - first_tokens
-    wall = t_last - t_first
-    steps = int(stats_last["steps"] - stats_first["steps"])
-    per_step = {
-        key.removesuffix("_seconds"): (stats_last[key] - stats_first[key]) * 1e3 / max(steps, 1)
-        for key in ("prepare_seconds", "model_seconds", "sample_seconds")
-    }
-    step_wall_ms = wall * 1e3 / max(steps, 1)
-    outside_ms = step_wall_ms - per_step["model"]
-    return {
-        "token_ids": tokens,
-        "prefill_seconds": t_first - t_submit,
-        "decode_seconds": wall,
-        "decode_tokens": decode_tokens,
-        "decode_steps": steps,
-        "decode_tokens_per_s": decode_tokens / wall if wall > 0 else float("nan"),
-        "step_wall_ms": step_wall_ms,
-        "model_ms": per_step["model"],
-        "outside_model_ms": outside_ms,
-        "prepare_ms": per_step["prepare"],
-        "sample_ms": per_step["sample"],
-        "other_ms": outside_ms - per_step["prepare"] - per_step["sample"],
-    }
+    def warmup(self) -> None:
+        """Run once untimed (first-call costs: allocation, compilation, caches)."""
+        raise NotImplementedError
+
+    def run_once(self) -> dict[str, Any]:
+        """One timed run; holds at least ``decode_tokens_per_s`` and ``token_ids``."""
+        raise NotImplementedError
+
+    def summary(self, runs: list[dict[str, Any]]) -> dict[str, Any]:
+        """The result over the timed runs."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Drop the model."""
 
 
-_KILN_MEDIAN_KEYS = (
-    "decode_tokens_per_s",
-    "prefill_seconds",
-    "step_wall_ms",
-    "model_ms",
-    "outside_model_ms",
-    "prepare_ms",
-    "sample_ms",
-    "other_ms",
-)
+class KilnEngine(Engine):
+    """kiln at one optimization level, streaming one greedy request per run.
 
-
-def bench_kiln(model_path: Path, prompt: list[int], level: int, settings: BenchSettings) -> dict[str, Any]:
-    """kiln at optimization ``level``: a warm-up request, then ``settings.repeats``
-    timed ones; medians of each figure (each taken separately), plus every run.
-
-    A level kiln cannot load (``ValueError``, e.g. a level not built yet) gives a
-    result holding ``error`` instead of figures.
+    Raises ``ValueError`` when kiln refuses the level (one not built yet).
     """
-    from kiln import Runtime
 
-    label = f"-O{level}"
-    result: dict[str, Any] = {"engine": "kiln", "level": level, "label": label}
-    t0 = time.perf_counter()
-    try:
-        rt = Runtime.load(
+    engine = "kiln"
+
+    def __init__(self, model_path: Path, prompt: list[int], level: int, settings: BenchSettings) -> None:
+        from kiln import Runtime
+
+        self.level = level
+        self.label = f"-O{level}"
+        self.prompt = prompt
+        self.max_tokens = settings.max_tokens
+        # an empty compile cache: load_seconds is a cold start (trace and compile)
+        self.cache_dir = tempfile.mkdtemp(prefix="kiln-bench-cache-")
+        t0 = time.perf_counter()
+        self.rt = Runtime.load(
             model_path,
+            cache_dir=self.cache_dir,
             optimization_level=level,
             device=settings.device,
             dtype=settings.dtype,
             max_model_len=len(prompt) + settings.max_tokens,
             max_num_seqs=1,
         )
-    except ValueError as e:
-        logger.warning("kiln %s is unavailable: %s", label, e)
-        result["error"] = str(e)
+        self.load_seconds = time.perf_counter() - t0
+        self.warmup_seconds: float | None = None
+
+    def warmup(self) -> None:
+        t0 = time.perf_counter()
+        self.run_once()
+        self.warmup_seconds = time.perf_counter() - t0
+
+    def run_once(self) -> dict[str, Any]:
+        """One streamed request, timed per step.
+
+        The first delta arrives after the prefill step; every later delta is one
+        decode step. Decode figures cover the steps from the first delta to the
+        last; the runner's cumulative stats are snapshotted at both ends.
+        """
+        from kiln import SamplingParams
+
+        rt = self.rt
+        params = SamplingParams(max_tokens=self.max_tokens, temperature=0, ignore_eos=True)
+        tokens: list[int] = []
+        first_tokens = 0
+        t_first = t_last = 0.0
+        stats_first: dict[str, float] = {}
+        t_submit = time.perf_counter()
+        for delta in rt.stream(self.prompt, params):
+            now = time.perf_counter()
+            if not tokens:
+                t_first = now
+                stats_first = dataclasses.asdict(rt.stats)
+                first_tokens = len(delta.token_ids)
+            tokens.extend(delta.token_ids)
+            t_last = now
+        stats_last = dataclasses.asdict(rt.stats)
+
+        decode_tokens = len(tokens) - first_tokens
+        wall = t_last - t_first
+        steps = int(stats_last["steps"] - stats_first["steps"])
+        per_step = {
+            key.removesuffix("_seconds"): (stats_last[key] - stats_first[key]) * 1e3 / max(steps, 1)
+            for key in ("prepare_seconds", "model_seconds", "sample_seconds")
+        }
+        step_wall_ms = wall * 1e3 / max(steps, 1)
+        outside_ms = step_wall_ms - per_step["model"]
+        return {
+            "token_ids": tokens,
+            "prefill_seconds": t_first - t_submit,
+            "decode_seconds": wall,
+            "decode_tokens": decode_tokens,
+            "decode_steps": steps,
+            "decode_tokens_per_s": decode_tokens / wall if wall > 0 else float("nan"),
+            "step_wall_ms": step_wall_ms,
+            "model_ms": per_step["model"],
+            "outside_model_ms": outside_ms,
+            "prepare_ms": per_step["prepare"],
+            "sample_ms": per_step["sample"],
+            "other_ms": outside_ms - per_step["prepare"] - per_step["sample"],
+        }
+
+    _MEDIAN_KEYS = (
+        "decode_tokens_per_s",
+        "prefill_seconds",
+        "step_wall_ms",
+        "model_ms",
+        "outside_model_ms",
+        "prepare_ms",
+        "sample_ms",
+        "other_ms",
+    )
+
+    def summary(self, runs: list[dict[str, Any]]) -> dict[str, Any]:
+        """Medians of each figure (each taken separately), and every run."""
+        runs = [dict(r) for r in runs]
+        token_ids = runs[0].pop("token_ids")
+        deterministic = all(r.pop("token_ids") == token_ids for r in runs[1:])
+        result: dict[str, Any] = {
+            "engine": self.engine,
+            "level": self.level,
+            "label": self.label,
+            "load_seconds": self.load_seconds,
+            "warmup_seconds": self.warmup_seconds,
+            "startup_report": self.rt.startup_report,
+            "deterministic_across_runs": deterministic,
+        }
+        result.update({key: _median([r[key] for r in runs]) for key in self._MEDIAN_KEYS})
+        result["ms_per_token"] = 1e3 / result["decode_tokens_per_s"]
+        result.update(rate_spread([r["decode_tokens_per_s"] for r in runs]))
+        result["runs"] = runs
+        result["token_ids"] = token_ids
         return result
-    result["load_seconds"] = time.perf_counter() - t0
-    result["startup_report"] = rt.startup_report
 
-    logger.info("kiln %s: warm-up", label)
-    _kiln_stream_once(rt, prompt, settings.max_tokens)
-    runs = []
-    for i in range(settings.repeats):
-        gc.collect()
-        run = _kiln_stream_once(rt, prompt, settings.max_tokens)
-        logger.info(
-            "kiln %s: run %d/%d: %.2f tok/s, %.3f ms/step outside the model",
-            label, i + 1, settings.repeats, run["decode_tokens_per_s"], run["outside_model_ms"],
-        )
-        runs.append(run)
-    del rt
-    gc.collect()
-
-    token_ids = runs[0].pop("token_ids")
-    result["deterministic_across_runs"] = all(r.pop("token_ids") == token_ids for r in runs[1:])
-    result.update({key: _median([r[key] for r in runs]) for key in _KILN_MEDIAN_KEYS})
-    result["ms_per_token"] = 1e3 / result["decode_tokens_per_s"]
-    result["runs"] = runs
-    result["token_ids"] = token_ids
-    return result
+    def close(self) -> None:
+        del self.rt
+        shutil.rmtree(self.cache_dir, ignore_errors=True)
 
 
-def bench_transformers(model_path: Path, prompt: list[int], settings: BenchSettings) -> dict[str, Any]:
+class TransformersEngine(Engine):
     """transformers ``generate``, greedy, eager PyTorch (no ``torch.compile``), the
     model's default attention implementation.
 
-    Decode time is a generate of ``max_tokens`` new tokens minus a generate of one
-    (the prefill and the first token); each timed repeat does both, after one
-    warm-up of each. Returns medians over the repeats, and every run.
+    Each run times a generate of ``max_tokens`` new tokens and one of a single
+    token (prefill and the first token); decode is their difference. The summary
+    rate is ``(max_tokens - 1) / (median t_N - median t_1)``; every run keeps its
+    own paired rate too.
     """
-    from transformers import AutoModelForCausalLM
-    from transformers import logging as hf_logging
 
-    hf_logging.set_verbosity_error()
-    n = settings.max_tokens
-    t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=settings.torch_dtype)
-    model = model.to(settings.device).eval()
-    load_seconds = time.perf_counter() - t0
-    # The token budget, not EOS, ends every generate: no EOS in the config, so
-    # ``min_new_tokens`` has nothing to mask and the logits stay untouched.
-    model.generation_config.eos_token_id = None
-    input_ids = torch.tensor([prompt], dtype=torch.long, device=settings.device)
-    attention_mask = torch.ones_like(input_ids)
+    engine = "transformers"
 
-    def generate(new_tokens: int) -> tuple[float, list[int]]:
-        _sync(settings.device)
+    def __init__(self, model_path: Path, prompt: list[int], settings: BenchSettings) -> None:
+        from transformers import AutoModelForCausalLM
+        from transformers import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        self.prompt = prompt
+        self.max_tokens = settings.max_tokens
+        self.device = settings.device
+        t0 = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=settings.torch_dtype)
+        self.model = model.to(settings.device).eval()
+        self.load_seconds = time.perf_counter() - t0
+        self.warmup_seconds: float | None = None
+        # The token budget, not EOS, ends every generate: with no EOS in the
+        # generation config, ``min_new_tokens`` has nothing to mask and the logits
+        # stay untouched.
+        self.model.generation_config.eos_token_id = None
+        self.attn_implementation = self.model.config._attn_implementation
+        self.label = f"generate, eager, {self.attn_implementation}"
+        self.input_ids = torch.tensor([prompt], dtype=torch.long, device=settings.device)
+        self.attention_mask = torch.ones_like(self.input_ids)
+
+    def _generate(self, new_tokens: int) -> tuple[float, list[int]]:
+        _sync(self.device)
         start = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(
-                input_ids,
-                attention_mask=attention_mask,
+            out = self.model.generate(
+                self.input_ids,
+                attention_mask=self.attention_mask,
                 max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens,
                 do_sample=False,
                 eos_token_id=None,
                 pad_token_id=0,
             )
-        _sync(settings.device)
-        return time.perf_counter() - start, out[0, len(prompt):].tolist()
+        _sync(self.device)
+        return time.perf_counter() - start, out[0, len(self.prompt):].tolist()
 
-    logger.info("transformers: warm-up")
-    generate(n)
-    generate(1)
-    runs = []
-    token_ids: list[int] = []
-    for i in range(settings.repeats):
-        gc.collect()
-        t_n, tokens = generate(n)
-        t_1, _ = generate(1)
-        token_ids = token_ids or tokens
+    def warmup(self) -> None:
+        t0 = time.perf_counter()
+        self._generate(self.max_tokens)
+        self._generate(1)
+        self.warmup_seconds = time.perf_counter() - t0
+
+    def run_once(self) -> dict[str, Any]:
+        n = self.max_tokens
+        t_n, tokens = self._generate(n)
+        t_1, _ = self._generate(1)
         if len(tokens) != n:
             raise RuntimeError(f"transformers generated {len(tokens)} tokens, expected {n}")
-        rate = (n - 1) / (t_n - t_1)
-        logger.info("transformers: run %d/%d: %.2f tok/s", i + 1, settings.repeats, rate)
-        runs.append({"generate_seconds": t_n, "prefill_seconds": t_1, "decode_tokens_per_s": rate})
+        return {
+            "token_ids": tokens,
+            "generate_seconds": t_n,
+            "prefill_seconds": t_1,
+            "decode_tokens_per_s": (n - 1) / (t_n - t_1),
+        }
 
-    import transformers
+    def summary(self, runs: list[dict[str, Any]]) -> dict[str, Any]:
+        import transformers
 
-    result = {
-        "engine": "transformers",
-        "label": f"generate, eager, {model.config._attn_implementation}",
-        "transformers_version": transformers.__version__,
-        "attn_implementation": model.config._attn_implementation,
-        "torch_compile": False,
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-        "load_seconds": load_seconds,
-        "decode_tokens_per_s": _median([r["decode_tokens_per_s"] for r in runs]),
-        "prefill_seconds": _median([r["prefill_seconds"] for r in runs]),
-        "generate_seconds": _median([r["generate_seconds"] for r in runs]),
-        "runs": runs,
-        "token_ids": token_ids,
-    }
-    result["ms_per_token"] = 1e3 / result["decode_tokens_per_s"]
-    del model
-    gc.collect()
-    return result
+        runs = [dict(r) for r in runs]
+        token_ids = runs[0].pop("token_ids")
+        deterministic = all(r.pop("token_ids") == token_ids for r in runs[1:])
+        result: dict[str, Any] = {
+            "engine": self.engine,
+            "label": self.label,
+            "transformers_version": transformers.__version__,
+            "attn_implementation": self.attn_implementation,
+            "torch_compile": False,
+            "num_parameters": sum(p.numel() for p in self.model.parameters()),
+            "load_seconds": self.load_seconds,
+            "warmup_seconds": self.warmup_seconds,
+            "deterministic_across_runs": deterministic,
+            "prefill_seconds": _median([r["prefill_seconds"] for r in runs]),
+            "generate_seconds": _median([r["generate_seconds"] for r in runs]),
+        }
+        n = self.max_tokens
+        result["decode_tokens_per_s"] = (n - 1) / (result["generate_seconds"] - result["prefill_seconds"])
+        result["ms_per_token"] = 1e3 / result["decode_tokens_per_s"]
+        result.update(rate_spread([r["decode_tokens_per_s"] for r in runs]))
+        result["runs"] = runs
+        result["token_ids"] = token_ids
+        return result
+
+    def close(self) -> None:
+        del self.model
 
 
-Baseline = Callable[[Path, list[int], BenchSettings], dict[str, Any]]
-# name -> function returning a dict with at least engine, label, decode_tokens_per_s,
-# ms_per_token and token_ids.
-BASELINES: dict[str, Baseline] = {
-    "transformers": bench_transformers,
+class TransformersCompiledEngine(TransformersEngine):
+    """transformers ``generate`` with a static KV cache and the model's forward
+    under ``torch.compile`` (Inductor, default mode): transformers' own recipe for
+    fast decoding. Its warm-up pays the compilation (prefill and decode shapes),
+    reported as ``compile_seconds``."""
+
+    engine = "transformers-compiled"
+
+    def __init__(self, model_path: Path, prompt: list[int], settings: BenchSettings) -> None:
+        super().__init__(model_path, prompt, settings)
+        self.model.generation_config.cache_implementation = "static"
+        self.model.forward = torch.compile(self.model.forward, fullgraph=True)
+        self.label = f"generate, static cache, torch.compile, {self.attn_implementation}"
+
+    def summary(self, runs: list[dict[str, Any]]) -> dict[str, Any]:
+        result = super().summary(runs)
+        result["torch_compile"] = True
+        result["compile_seconds"] = self.warmup_seconds
+        return result
+
+
+# name -> constructor (model_path, prompt, settings) of a baseline engine
+BASELINES: dict[str, Callable[[Path, list[int], BenchSettings], Engine]] = {
+    "transformers": TransformersEngine,
+    "transformers-compiled": TransformersCompiledEngine,
 }
+
+
+def measure(engines: Sequence[Engine], repeats: int) -> list[list[dict[str, Any]]]:
+    """Warm every engine up, then time ``repeats`` rounds in which each engine runs
+    once; the order rotates from round to round. Taking turns exposes every engine
+    to the same background load on a shared machine. Returns each engine's runs."""
+    for e in engines:
+        logger.info("%s %s: warm-up", e.engine, e.label)
+        e.warmup()
+    runs: list[list[dict[str, Any]]] = [[] for _ in engines]
+    k = len(engines)
+    for i in range(repeats):
+        for j in [(i + s) % k for s in range(k)]:
+            gc.collect()
+            run = engines[j].run_once()
+            run["round"] = i
+            logger.info("%s %s: run %d/%d: %.2f tok/s", engines[j].engine, engines[j].label,
+                        i + 1, repeats, run["decode_tokens_per_s"])
+            runs[j].append(run)
+    return runs
+
+
+def paired_speedup(runs: list[dict[str, Any]], ref_runs: list[dict[str, Any]]) -> float:
+    """The median over rounds of the ratio of two engines' rates in the same round."""
+    return _median([a["decode_tokens_per_s"] / b["decode_tokens_per_s"] for a, b in zip(runs, ref_runs)])
 
 
 def compare_tokens(a: list[int], b: list[int]) -> dict[str, Any]:
@@ -412,6 +542,14 @@ def machine_info(device: str) -> dict[str, Any]:
     return info
 
 
+def _load_average() -> list[float] | None:
+    """The 1/5/15-minute load averages: other work on the machine skews timings."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 def _cpu_model() -> str | None:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -440,7 +578,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """Plain-text columns: text left-aligned, numbers right-aligned."""
 
     def numeric(cell: str) -> bool:
-        return cell.rstrip("x").replace(".", "", 1).replace("-", "", 1).isdigit()
+        return cell.rstrip("x%").replace(".", "", 1).replace("-", "", 1).isdigit()
 
     widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
     right = [all(numeric(r[i]) or r[i] in ("-", "n/a") for r in rows) and bool(rows) for i in range(len(headers))]
@@ -465,15 +603,15 @@ def render_report(report: dict[str, Any]) -> str:
         f"decode benchmark: {m['name']} ({m['architecture']}, {m['num_layers']} layers, "
         f"hidden {m['hidden_size']}, heads {m['num_attention_heads']}/{m['num_kv_heads']} kv, "
         f"vocab {m['vocab_size']}), {s['dtype']} on {mach['device']}, "
-        f"{mach['torch_threads']} torch threads / {mach['cpu_count']} CPUs\n"
+        f"torch threads {mach['torch_threads']} of {mach['cpu_count']} CPUs\n"
         f"batch 1, greedy, prompt {s['prompt_len']} tokens, {s['max_tokens']} new tokens; "
-        f"decode excludes prefill; median of {s['repeats']} runs after a warm-up"
+        f"decode excludes prefill; median of {s['repeats']} runs after a warm-up, engines taking turns"
     )
     ref = report["baselines"].get(REFERENCE_BASELINE)
     rate_rows = []
     for k in report["kiln"]:
         if "error" in k:
-            rate_rows.append(["kiln", k["label"], "n/a", "n/a", "n/a", "unavailable"])
+            rate_rows.append(["kiln", k["label"], "n/a", "n/a", "n/a", "n/a", "n/a", "unavailable", "n/a"])
             continue
         speed = k.get(f"speedup_vs_{REFERENCE_BASELINE}")
         match = k.get("tokens_match")
@@ -482,15 +620,22 @@ def render_report(report: dict[str, Any]) -> str:
             k["label"],
             _fmt(k["decode_tokens_per_s"]),
             _fmt(k["ms_per_token"]),
+            _fmt(100 * k["spread"], 0, "%"),
             _fmt(speed, suffix="x"),
+            _fmt(k.get(f"paired_speedup_vs_{REFERENCE_BASELINE}"), suffix="x"),
             "-" if match is None else ("yes" if match else f"NO (from token {k['first_mismatch']})"),
+            _fmt(k["load_seconds"], 1, "s"),
         ])
     for name, b in report["baselines"].items():
         speed = 1.0 if b is ref else None
         rate_rows.append([name, b["label"], _fmt(b["decode_tokens_per_s"]), _fmt(b["ms_per_token"]),
-                          _fmt(speed, suffix="x") if speed else "-", "(reference)" if b is ref else "-"])
+                          _fmt(100 * b["spread"], 0, "%"),
+                          _fmt(speed, suffix="x") if speed else "-", "-",
+                          "(reference)" if b is ref else "-",
+                          _fmt(b["load_seconds"] + (b.get("compile_seconds") or 0.0), 1, "s")])
     rates = format_table(
-        ["engine", "config", "decode tok/s", "ms/token", f"kiln/{REFERENCE_BASELINE}", "tokens match"],
+        ["engine", "config", "decode tok/s", "ms/token", "spread", f"kiln/{REFERENCE_BASELINE}",
+         "paired", "tokens match", "cold start"],
         rate_rows,
     )
 
@@ -499,7 +644,10 @@ def render_report(report: dict[str, Any]) -> str:
          _fmt(k["prepare_ms"], 3), _fmt(k["sample_ms"], 3), _fmt(k["other_ms"], 3)]
         for k in report["kiln"] if "error" not in k
     ]
-    parts = [head, "", rates]
+    legend = (f"spread: (best - worst) / median of an engine's runs; paired: median over rounds of "
+              f"kiln's rate / {REFERENCE_BASELINE}'s in the same round; cold start: kiln's Runtime.load "
+              "into an empty compile cache (trace + compile), transformers' load (+ its torch.compile warm-up)")
+    parts = [head, "", rates, legend]
     if overhead_rows:
         overhead = format_table(
             ["kiln", "step wall", "model", "outside model", "prepare", "sample", "other"], overhead_rows
@@ -509,7 +657,38 @@ def render_report(report: dict[str, Any]) -> str:
     for k in report["kiln"]:
         if "error" in k:
             parts += ["", f"kiln {k['label']} unavailable: {k['error']}"]
+    noisy = [
+        f"{r['engine']} {r['label']}" for r in [*report["kiln"], *report["baselines"].values()]
+        if r.get("spread", 0.0) > NOISY_SPREAD
+    ]
+    if noisy:
+        parts += ["", f"note: the runs of {', '.join(noisy)} have a spread over {NOISY_SPREAD:.0%}: "
+                      "the machine was busy; rerun, raise --repeats, or try --threads 1"]
     return "\n".join(parts)
+
+
+def scrub_paths(obj: Any, replacements: Sequence[tuple[str, str]]) -> Any:
+    """``obj`` with every string's machine-specific prefixes replaced (longest
+    first), so that committed results name no local directories."""
+    if isinstance(obj, dict):
+        return {k: scrub_paths(v, replacements) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [scrub_paths(v, replacements) for v in obj]
+    if isinstance(obj, str):
+        for prefix, placeholder in replacements:
+            obj = obj.replace(prefix, placeholder)
+    return obj
+
+
+def _path_placeholders() -> list[tuple[str, str]]:
+    from kiln.config import default_cache_dir
+
+    pairs = [
+        (str(default_cache_dir()), "<kiln cache>"),
+        (str(BENCH_DIR.parent), "<repo>"),
+        (str(Path.home()), "~"),
+    ]
+    return sorted(((p, r) for p, r in pairs if len(p) > 1), key=lambda pr: -len(pr[0]))
 
 
 def write_report(report: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
@@ -518,8 +697,8 @@ def write_report(report: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
     then renamed)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     device = report["machine"]["device"].replace(":", "")
-    stamp = report["started_at_local"]
-    text = json.dumps(report, indent=2, sort_keys=False) + "\n"
+    stamp = report["run_stamp"]
+    text = json.dumps(scrub_paths(report, _path_placeholders()), indent=2) + "\n"
     paths = (out_dir / f"decode-{device}-{stamp}.json", out_dir / f"decode-{device}-latest.json")
     for path in paths:
         tmp = path.with_name(path.name + ".tmp")
@@ -547,10 +726,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32, help="prompt length in token ids (default 32)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per engine, after a warm-up (default 3)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave as is)")
-    p.add_argument("--levels", type=lambda t: _parse_list(int, t), default=[0],
-                   help="kiln optimization levels, comma-separated (default 0)")
-    p.add_argument("--baselines", type=lambda t: _parse_list(str, t), default=["transformers"],
-                   help=f"baselines, comma-separated, of: {', '.join(BASELINES)} (default transformers)")
+    p.add_argument("--levels", type=lambda t: _parse_list(int, t), default=[0, 2],
+                   help="kiln optimization levels, comma-separated (default 0,2)")
+    p.add_argument("--baselines", type=lambda t: [b for b in _parse_list(str, t) if b != "none"],
+                   default=["transformers", "transformers-compiled"],
+                   help=f"baselines, comma-separated, of: {', '.join(BASELINES)}; or none "
+                        "(default transformers)")
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto (default: cuda if available)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights and activations (default float32)")
@@ -574,9 +755,40 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def measure_all(
+    model_path: Path, prompt: list[int], levels: Sequence[int], baselines: Sequence[str],
+    settings: BenchSettings,
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Load kiln at each level and each baseline, time them taking turns, and
+    return (one result per level, in order; baseline name -> result). A level kiln
+    refuses to load gets a result holding ``error``."""
+    kiln_results: list[dict[str, Any] | None] = []
+    engines: list[Engine] = []
+    for level in levels:
+        try:
+            engines.append(KilnEngine(model_path, prompt, level, settings))
+            kiln_results.append(None)
+        except ValueError as e:
+            logger.warning("kiln -O%d is unavailable: %s", level, e)
+            kiln_results.append({"engine": "kiln", "level": level, "label": f"-O{level}", "error": str(e)})
+    kiln_engines = list(engines)
+    engines += [BASELINES[name](model_path, prompt, settings) for name in baselines]
+    try:
+        runs = measure(engines, settings.repeats)
+        summaries = [e.summary(r) for e, r in zip(engines, runs)]
+    finally:
+        for e in engines:
+            e.close()
+        gc.collect()
+    it = iter(summaries[: len(kiln_engines)])
+    kiln_out = [r if r is not None else next(it) for r in kiln_results]
+    return kiln_out, dict(zip(baselines, summaries[len(kiln_engines):]))
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run every measurement the arguments ask for; return the report."""
     started = dt.datetime.now()
+    load_start = _load_average()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.model is None:
@@ -596,14 +808,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompt = make_prompt(model["vocab_size"], args.prompt_len, args.seed)
     settings = BenchSettings(args.max_tokens, args.repeats, args.device, args.dtype)
 
-    kiln_results = [bench_kiln(model_path, prompt, level, settings) for level in args.levels]
-    baselines = {name: BASELINES[name](model_path, prompt, settings) for name in args.baselines}
+    kiln_results, baselines = measure_all(model_path, prompt, args.levels, args.baselines, settings)
 
     ref = baselines.get(REFERENCE_BASELINE)
     for k in kiln_results:
         if "error" in k or ref is None:
             continue
         k[f"speedup_vs_{REFERENCE_BASELINE}"] = k["decode_tokens_per_s"] / ref["decode_tokens_per_s"]
+        k[f"paired_speedup_vs_{REFERENCE_BASELINE}"] = paired_speedup(k["runs"], ref["runs"])
         k.update(compare_tokens(k["token_ids"], ref["token_ids"]))
         if not k["tokens_match"]:
             logger.warning(
@@ -618,9 +830,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "decode",
         "schema_version": 1,
         "started_at": started.astimezone().isoformat(timespec="seconds"),
-        "started_at_local": started.strftime("%Y%m%d-%H%M%S"),
+        "run_stamp": started.strftime("%Y%m%d-%H%M%S"),
         "duration_seconds": round((dt.datetime.now() - started).total_seconds(), 2),
-        "machine": machine_info(args.device),
+        "machine": {**machine_info(args.device), "load_average_start": load_start,
+                    "load_average_end": _load_average()},
         "model": model,
         "settings": {
             "batch_size": 1,
@@ -630,7 +843,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_tokens": args.max_tokens,
             "repeats": args.repeats,
             "warmup_runs": 1,
-            "statistic": "median over repeats, each figure separately",
+            "schedule": "engines take turns: each round runs every engine once, order rotating",
+            "statistic": "median over repeats, each figure separately (transformers: medians of "
+                         "t_generate(N) and t_generate(1)); best/worst/spread of the per-run rates too",
+            "noisy_spread_threshold": NOISY_SPREAD,
             "device": args.device,
             "dtype": args.dtype,
             "threads_requested": args.threads,
@@ -651,6 +867,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "kiln_decode_tokens_per_s": level0["decode_tokens_per_s"] if level0 else None,
         f"{REFERENCE_BASELINE}_decode_tokens_per_s": ref["decode_tokens_per_s"] if ref else None,
         "speedup_kiln_vs_transformers": level0.get(f"speedup_vs_{REFERENCE_BASELINE}") if level0 else None,
+        "paired_speedup_kiln_vs_transformers":
+            level0.get(f"paired_speedup_vs_{REFERENCE_BASELINE}") if level0 else None,
         "kiln_outside_model_ms_per_step": level0["outside_model_ms"] if level0 else None,
         "tokens_match": level0.get("tokens_match") if level0 else None,
         "kiln": kiln_results,

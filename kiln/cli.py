@@ -107,10 +107,106 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_compile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compile", help="prebuild a relocatable bundle: Runtime.load(DIR) then starts warm")
+    p.add_argument("model", help="checkpoint directory, or 'demo'")
+    p.add_argument("--out", required=True, help="bundle directory to create (must not exist or be empty)")
+    p.add_argument("-O", dest="level", type=int, default=DEFAULT_LEVEL, choices=[1, 2, 3],
+                   help=f"optimization level (default {DEFAULT_LEVEL})")
+    p.add_argument("--compile-sizes", type=_sizes, default=None, metavar="N,N,...")
+    p.add_argument("--cudagraph-mode", default=None, choices=[m.value for m in CUDAGraphMode])
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--include-weights", action="store_true", help="copy the safetensors files into the bundle")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def _compile(args: argparse.Namespace) -> int:
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from kiln import Runtime
+    from kiln.runtime.bundle import write_bundle
+
+    t0 = time.perf_counter()
+    # A private cache: its Inductor directory then holds exactly what the bundle needs.
+    private = Path(tempfile.mkdtemp(prefix="kiln-compile-"))
+    try:
+        rt = Runtime.load(
+            args.model,
+            optimization_level=args.level,
+            device=args.device,
+            dtype=args.dtype,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            num_kv_blocks=1,  # compiled code does not depend on the cache size; keep it small
+            block_size=16,
+            cache_dir=private,
+            **_compilation_overrides(args),
+        )
+        summary = write_bundle(rt, Path(args.out), args.include_weights)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+    r = rt.startup_report
+    mib = 1 << 20
+    print(
+        f"kiln: bundle {summary['path']}: -O{r['optimization_level']}, {r['pieces']} pieces "
+        f"({r['unique_pieces']} unique), {r['inductor_compiles']} Inductor compilations in "
+        f"{r['phases'].get('compile', 0):.1f}s (trace {r['phases'].get('trace', 0):.1f}s); "
+        f"compiled {summary['compiled_bytes'] / mib:.1f} MiB, model files {summary['model_bytes'] / mib:.1f} MiB"
+        f"{'' if args.include_weights else ' (no weights)'}; {time.perf_counter() - t0:.1f}s in all",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _add_cache(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("cache", help="list, verify or clear compiled entries")
+    p.add_argument("action", choices=["ls", "verify", "clear"])
+    p.add_argument("--cache-dir", default=None, help="kiln's cache directory (default: KILN_CACHE_DIR, ...)")
+
+
+def _cache(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kiln.cache.entries import clear_entries, list_entries, verify_entries
+    from kiln.config import default_cache_dir
+
+    root = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
+    if args.action == "ls":
+        rows = list_entries(root)
+        if not rows:
+            print(f"no compiled entries in {root}")
+        for e in rows:
+            print(f"{e.key}  {e.model:<22} -O{e.level}  {e.size / (1 << 20):8.1f} MiB  "
+                  f"{_age(e.age_seconds):>8}  {'ok' if e.complete else 'incomplete'}")
+        return 0
+    if args.action == "verify":
+        bad = 0
+        for key, problems in verify_entries(root):
+            status = "ok" if not problems else "CORRUPT: " + ", ".join(problems[:5])
+            bad += bool(problems)
+            print(f"{key}  {status}")
+        return 1 if bad else 0
+    removed = clear_entries(root)
+    print(f"removed {removed} compiled entries from {root}")
+    return 0
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit} ago"
+    return f"{seconds:.0f}s ago"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kiln", description="kiln: a compiler-centric LLM inference runtime")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_compile(sub)
+    _add_cache(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
@@ -119,6 +215,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "compile":
+            return _compile(args)
+        if args.command == "cache":
+            return _cache(args)
     except (ValueError, OSError) as e:
         print(f"kiln: error: {e}", file=sys.stderr)
         return 2

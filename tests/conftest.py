@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,11 @@ if TYPE_CHECKING:
     from kiln import Runtime
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# Compiled entries of this session live in a private cache: counts of compilations
+# asserted here must not depend on what an earlier run left in the user's cache.
+_SESSION_CACHE = Path(tempfile.mkdtemp(prefix="kiln-test-cache-"))
+os.environ["KILN_CACHE_DIR"] = str(_SESSION_CACHE)
 
 ARCH_CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),

@@ -5,6 +5,7 @@ of ``model.forward``."""
 from __future__ import annotations
 
 import logging
+import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,17 +35,22 @@ class CompileStats:
     phases: dict[str, float] = field(default_factory=dict)
     # "piece <n> [<bucket>]" -> seconds, one entry per Inductor compilation
     compile_seconds: dict[str, float] = field(default_factory=dict)
+    artifacts_loaded: int = 0
+    cache: str = "off"  # off | miss | hit | bundle | rebuilt
 
 
 class CompiledModel:
     """Calls the split graph directly (no Dynamo, no guards) with the model's
     parameters in the order the trace recorded them."""
 
-    def __init__(self, split: SplitGraph, inputs: list[GraphInput], model: nn.Module,
-                 backends: dict[str, PiecewiseBackend]) -> None:
-        self.split = split
+    def __init__(self, module: fx.GraphModule, inputs: list[GraphInput], model: nn.Module,
+                 backends: dict[str, PiecewiseBackend], piece_signatures: dict[str, str]) -> None:
+        self.module = module
         self.inputs = inputs
         self.backends = backends
+        self.piece_signatures = piece_signatures  # submodule name -> backend signature
+        for name, sig in piece_signatures.items():
+            module.__dict__[name] = backends[sig]
         tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
         tensors.update(model.named_buffers())
         self._args: list[Any] = [tensors[g.name] if g.kind == "param" else None for g in inputs]
@@ -58,7 +64,7 @@ class CompiledModel:
         return args
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        out = self.split.module(*self.arguments(input_ids, positions))
+        out = self.module(*self.arguments(input_ids, positions))
         return out[0] if isinstance(out, (tuple, list)) else out
 
 
@@ -90,15 +96,20 @@ def compile_model(
     max_num_tokens: int,
     device: torch.device,
     progress: bool | None = None,
-) -> tuple[CompiledModel, CompileStats]:
+) -> tuple[CompiledModel, CompileStats, bytes]:
     """Piecewise-compile ``model`` for token counts ``[1, max_num_tokens]`` with
-    exact runnables for ``config.compile_sizes``. ``config`` must be resolved."""
+    exact runnables for ``config.compile_sizes``. ``config`` must be resolved.
+
+    Returns the callable, its statistics, and the pickled split graph (before the
+    compiled pieces were installed) for ``save_compiled``."""
     stats = CompileStats()
     t0 = time.perf_counter()
     captured: CapturedGraph = capture(model, device)
     stats.dynamo_traces += 1
     t1 = time.perf_counter()
     split = split_graph(captured.graph_module, list(config.splitting_ops or []))
+    # the split graph as it is before compiled pieces are installed, for the cache
+    pristine = pickle.dumps(split.module)
     t2 = time.perf_counter()
     stats.phases["trace"] = round(t1 - t0, 4)
     stats.phases["split"] = round(t2 - t1, 4)
@@ -152,11 +163,10 @@ def compile_model(
                 stats.compile_seconds[label] = round(time.perf_counter() - ts, 4)
                 stats.inductor_compiles += 1
                 bar.update(label)
-    for piece in compute:
-        split.module.__dict__[piece.name] = backends[piece.signature]
     stats.phases["compile"] = round(time.perf_counter() - t2, 4)
     logger.info(
         "compiled %d pieces (%d unique) x %d buckets: %d Inductor compilations in %.1fs",
         stats.pieces, stats.unique_pieces, 1 + len(sizes), stats.inductor_compiles, stats.phases["compile"],
     )
-    return CompiledModel(split, captured.inputs, model, backends), stats
+    signatures = {p.name: p.signature for p in compute}
+    return CompiledModel(split.module, captured.inputs, model, backends, signatures), stats, pristine

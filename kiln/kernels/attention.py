@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kiln.forward_context import AttentionMetadata, get_forward_context
 
-__all__ = ["attention", "write_kv_cache", "paged_attention_torch"]
+__all__ = ["attend", "attention", "write_kv_cache", "paged_attention_torch"]
 
 
 def write_kv_cache(
@@ -32,8 +32,8 @@ def write_kv_cache(
         return
     slots = slot_mapping[:num_tokens]
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-    valid = slots >= 0
-    if not bool(valid.all()):
+    if bool((slots < 0).any()):
+        valid = slots >= 0
         slots, key, value = slots[valid], key[valid], value[valid]
     flat[0].index_copy_(0, slots, key)
     flat[1].index_copy_(0, slots, value)
@@ -77,18 +77,18 @@ def paged_attention_torch(
             if sliding_window > 0:
                 mask &= k_pos > q_pos - sliding_window
             mask = mask.repeat(group, 1)
-        # [q_len, H, D] -> [KV, group * q_len, D]: each KV head serves `group` query heads.
+        # [q_len, H, D] -> [1, KV, group * q_len, D]: each KV head serves `group` query
+        # heads. 4-D inputs let SDPA take its fused CPU kernel.
         q = query[start:end].view(q_len, num_kv_heads, group, head_dim)
-        q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)
+        q = q.permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * q_len, head_dim)
         o = F.scaled_dot_product_attention(
-            q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+            q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale
         )
         o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
         out[start:end].copy_(o.reshape(q_len, num_heads, head_dim))
 
 
-@torch.library.custom_op("kiln::attention", mutates_args=("out",))
-def attention(
+def _attention_impl(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -100,7 +100,7 @@ def attention(
     """Paged attention for layer ``layer_idx``; ``sliding_window <= 0`` means none."""
     ctx = get_forward_context()
     meta = ctx.attn_metadata
-    if meta is None:  # a profiling or warm-up run with no requests behind it
+    if meta is None:  # a profiling or tracing run with no requests behind it
         out.zero_()
         return
     kv_cache = ctx.kv_caches[layer_idx]
@@ -109,6 +109,37 @@ def attention(
     paged_attention_torch(query[:n], kv_cache, out, meta, scale, sliding_window)
 
 
-@attention.register_fake
-def _attention_fake(query, key, value, out, layer_idx, scale, sliding_window) -> None:
+def _attention_fake(query, key, value, out, layer_idx, scale, sliding_window) -> None:  # noqa: ANN001
     return None
+
+
+# Registered through torch.library.Library rather than @custom_op: the decorator's
+# Python dispatch layers cost ~90 us a call, paid by every layer of every eager step.
+_LIB = torch.library.Library("kiln", "FRAGMENT")
+_LIB.define(
+    "attention(Tensor query, Tensor key, Tensor value, Tensor(a!) out, int layer_idx, "
+    "float scale, int sliding_window) -> ()"
+)
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("attention", _attention_impl, _key)
+torch.library.register_fake("kiln::attention", _attention_fake, lib=_LIB)
+
+attention = torch.ops.kiln.attention
+
+
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    sliding_window: int,
+) -> None:
+    """What model code calls. Under tracing it records the ``kiln::attention`` op
+    (the compiler's split point); run eagerly it calls the implementation
+    directly, skipping the dispatcher's round trip through Python."""
+    if torch.compiler.is_compiling():
+        torch.ops.kiln.attention(query, key, value, out, layer_idx, scale, sliding_window)
+    else:
+        _attention_impl(query, key, value, out, layer_idx, scale, sliding_window)

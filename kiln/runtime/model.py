@@ -4,7 +4,7 @@ Token-flattened: ``forward(input_ids[T], positions[T]) -> hidden[T, hidden_size]
 where the T tokens of every scheduled request are concatenated. The model knows
 nothing about requests, the KV cache or compilation: attention is one call to
 ``torch.ops.kiln.attention``, which finds its per-step metadata in the forward
-context. The differences between the families are config fields (QKV bias,
+context (through ``attend``). The differences between the families are config fields (QKV bias,
 q/k RMSNorm, head_dim, tied embeddings, RoPE scaling, sliding window).
 """
 
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kiln.kernels.attention  # noqa: F401  (registers torch.ops.kiln.attention)
+from kiln.kernels.attention import attend
 from kiln.runtime.model_config import ModelConfig
 
 __all__ = ["DecoderModel", "MergedLinear"]
@@ -107,7 +107,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         out = torch.empty_like(q)
-        torch.ops.kiln.attention(q, k, v, out, self.layer_idx, self.scale, self.sliding_window)
+        attend(q, k, v, out, self.layer_idx, self.scale, self.sliding_window)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 

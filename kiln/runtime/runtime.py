@@ -11,8 +11,11 @@ from typing import Any
 
 import torch
 
-from kiln.compiler import CompileStats, compile_model
-from kiln.config import DEFAULT_LEVEL, CompilationConfig, CUDAGraphMode, EngineConfig
+from kiln.cache.keys import cache_factors
+from kiln.compiler import CompiledModel, CompileStats
+from kiln.compiler.cached import FactorMismatchError, load_entry, load_or_compile
+from kiln.runtime.bundle import BUNDLE_COMPILED_DIR, bundle_model_dirs, private_inductor_copy, read_bundle
+from kiln.config import DEFAULT_LEVEL, CompilationConfig, EngineConfig, default_cache_dir
 from kiln.runtime.block_pool import BlockPool
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.loader import load_model
@@ -28,6 +31,7 @@ logger = logging.getLogger(__name__)
 Prompt = str | Sequence[int]
 
 _ENGINE_FIELDS = {"kv_cache_memory_bytes", "gpu_memory_utilization", "seed"}
+_LOAD_FIELDS = {"on_mismatch", "weights_path"}
 _COMPILATION_FIELDS = {
     "compile_sizes",
     "splitting_ops",
@@ -122,7 +126,7 @@ class Runtime:
         cls,
         path: "str | Path",
         *,
-        optimization_level: int = DEFAULT_LEVEL,
+        optimization_level: int | None = None,
         device: "str | torch.device | None" = None,
         dtype: "torch.dtype | str | None" = None,
         max_model_len: int | None = None,
@@ -133,23 +137,60 @@ class Runtime:
         cache_dir: "str | Path | None" = None,
         **overrides: Any,
     ) -> "Runtime":
-        """Load a Hugging Face checkpoint directory (or ``"demo"``).
+        """Load a Hugging Face checkpoint directory, a bundle written by
+        ``kiln compile``, or ``"demo"``.
 
-        ``overrides`` take engine fields (``kv_cache_memory_bytes``,
-        ``gpu_memory_utilization``, ``seed``) and compilation fields
-        (``compile_sizes``, ``cudagraph_mode``, ...); an unknown name is an error.
+        ``optimization_level`` defaults to 2, or to the level a bundle was
+        compiled at. ``cache_dir`` holds compiled entries (default: kiln's cache
+        directory). ``overrides`` take engine fields (``kv_cache_memory_bytes``,
+        ``gpu_memory_utilization``, ``seed``), compilation fields
+        (``compile_sizes``, ``cudagraph_mode``, ...), ``on_mismatch``
+        (``"error"``, the default, or ``"recompile"``: what to do with a bundle
+        built for another torch, kiln, device or config) and ``weights_path``
+        (where a bundle built without weights finds them); an unknown name is an
+        error.
         """
         t_start = time.perf_counter()
         timer = _Timer()
-        unknown = set(overrides) - _ENGINE_FIELDS - _COMPILATION_FIELDS
+        unknown = set(overrides) - _ENGINE_FIELDS - _COMPILATION_FIELDS - _LOAD_FIELDS
         if unknown:
             raise TypeError(
                 f"Runtime.load() got unknown option(s) {sorted(unknown)}; known: "
-                f"{sorted(_ENGINE_FIELDS | _COMPILATION_FIELDS)}"
+                f"{sorted(_ENGINE_FIELDS | _COMPILATION_FIELDS | _LOAD_FIELDS)}"
             )
-        compilation = CompilationConfig(
-            level=optimization_level, **{k: v for k, v in overrides.items() if k in _COMPILATION_FIELDS}
-        )
+        on_mismatch = overrides.pop("on_mismatch", "error")
+        if on_mismatch not in ("error", "recompile"):
+            raise ValueError(f"on_mismatch must be 'error' or 'recompile', got {on_mismatch!r}")
+        weights_path = overrides.pop("weights_path", None)
+        self = cls()
+        self.device = _resolve_device(device)
+        self.cache_root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+        if str(path) == "demo":
+            from kiln.demo import ensure_demo_model
+
+            with timer("build_demo"):
+                path = ensure_demo_model(self.cache_root)
+        path = Path(path)
+
+        bundle = read_bundle(path)
+        comp_overrides = {k: v for k, v in overrides.items() if k in _COMPILATION_FIELDS}
+        if bundle is not None:
+            # The bundle's settings are the defaults; anything asked for differently is
+            # a mismatch, reported (or recompiled) when the factors are compared.
+            self.model_path, self.weights_path = bundle_model_dirs(path, bundle, weights_path)
+            stored = bundle["compilation"]
+            level = stored["level"] if optimization_level is None else optimization_level
+            if level == stored["level"]:
+                for k in _COMPILATION_FIELDS:
+                    if stored.get(k) is not None:
+                        comp_overrides.setdefault(k, stored[k])
+            dtype = dtype if dtype is not None else bundle["dtype"]
+            if max_num_batched_tokens is None:
+                max_num_batched_tokens = bundle["engine"]["max_num_batched_tokens"]
+        else:
+            self.model_path = self.weights_path = path
+            level = DEFAULT_LEVEL if optimization_level is None else optimization_level
+        compilation = CompilationConfig(level=level, **comp_overrides)
         engine = EngineConfig(
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
@@ -158,14 +199,6 @@ class Runtime:
             num_kv_blocks=num_kv_blocks,
             **{k: v for k, v in overrides.items() if k in _ENGINE_FIELDS},
         )
-        self = cls()
-        self.device = _resolve_device(device)
-        if str(path) == "demo":
-            from kiln.demo import ensure_demo_model
-
-            with timer("build_demo"):
-                path = ensure_demo_model(Path(cache_dir) if cache_dir else None)
-        self.model_path = Path(path)
         with timer("load_config"):
             self.model_config = ModelConfig.from_dir(self.model_path)
         self.dtype = _resolve_dtype(dtype, self.model_config, self.device)
@@ -186,7 +219,11 @@ class Runtime:
         )
 
         with timer("load_weights"):
-            model = load_model(self.model_path, self.model_config, self.dtype, self.device, e.max_model_len)
+            # RoPE tables cover every position the checkpoint knows, whatever max_model_len
+            # is: the table is a graph input, and its shape must not tie compiled code
+            # to one engine setting.
+            self.rope_positions = max(self.model_config.max_position_embeddings, e.max_model_len)
+            model = load_model(self.weights_path, self.model_config, self.dtype, self.device, self.rope_positions)
         with timer("allocate_kv_cache"):
             num_blocks = self._num_kv_blocks(model)
             kv_caches = self._allocate_kv_caches(num_blocks)
@@ -203,12 +240,12 @@ class Runtime:
 
         forward = None
         stats = CompileStats()
+        self.cache_entry: Path | None = None
         if self.compilation_config.level > 0:
-            forward, stats = compile_model(
-                model, self.compilation_config, max_num_tokens=e.max_num_batched_tokens, device=self.device
-            )
+            forward, stats = self._compile(model, path if bundle is not None else None, on_mismatch)
             timer.phases.update(stats.phases)
         self.compiled = forward
+
         self.pool = BlockPool(num_blocks, e.block_size)
         self.scheduler = Scheduler(self.pool, e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len)
         self.runner = ModelRunner(
@@ -226,7 +263,7 @@ class Runtime:
         self.startup_report = {
             "phases": timer.phases,
             "total_seconds": round(time.perf_counter() - t_start, 4),
-            "optimization_level": compilation.level,
+            "optimization_level": self.compilation_config.level,
             "compilation": self.compilation_config.to_dict(),
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
@@ -235,6 +272,8 @@ class Runtime:
             "attention_backend": "torch",
             "dynamo_traces": stats.dynamo_traces,
             "inductor_compiles": stats.inductor_compiles,
+            "artifacts_loaded": stats.artifacts_loaded,
+            "compile_cache": stats.cache,
             "pieces": stats.pieces,
             "unique_pieces": stats.unique_pieces,
             "compile_seconds": stats.compile_seconds,
@@ -243,11 +282,54 @@ class Runtime:
             "max_model_len": e.max_model_len,
         }
         logger.info(
-            "loaded %s (%s, %s on %s) in %.2fs: %d KV blocks of %d tokens",
-            self.model_path, self.model_config.architecture, self.startup_report["dtype"], self.device,
-            self.startup_report["total_seconds"], num_blocks, e.block_size,
+            "loaded %s (%s, %s on %s, -O%d, compile cache %s) in %.2fs: %d KV blocks of %d tokens",
+            path, self.model_config.architecture, self.startup_report["dtype"], self.device,
+            self.compilation_config.level, stats.cache, self.startup_report["total_seconds"],
+            num_blocks, e.block_size,
         )
         return self
+
+    def cache_factors(self) -> dict[str, Any]:
+        """What the compiled code of this runtime depends on (the cache key's input)."""
+        model_fields = {**self.model_config.key_fields(), "rope_positions": self.rope_positions}
+        return cache_factors(model_fields, self.dtype, self.compilation_config.to_dict(), self.device)
+
+    def _compile(
+        self, model: torch.nn.Module, bundle_dir: Path | None, on_mismatch: str
+    ) -> tuple[CompiledModel, CompileStats]:
+        e = self.engine_config
+        factors = self.cache_factors()
+        if bundle_dir is not None:
+            entry = bundle_dir / BUNDLE_COMPILED_DIR
+            try:
+                t0 = time.perf_counter()
+                inductor = private_inductor_copy(bundle_dir)
+                found = load_entry(
+                    entry, model, e.max_num_batched_tokens,  # type: ignore[arg-type]
+                    factors=factors, source="bundle", inductor_dir=inductor, strict=True,
+                )
+                if found is not None:
+                    found[1].phases["copy_inductor_cache"] = round(time.perf_counter() - t0, 4)
+            except FactorMismatchError:
+                if on_mismatch != "recompile":
+                    raise
+                logger.warning("bundle %s was built for another setup; compiling into %s", bundle_dir, self.cache_root)
+                found = None
+            if found is not None:
+                self.cache_entry = entry
+                return found
+            logger.warning("bundle %s: compiling into the user cache %s", bundle_dir, self.cache_root)
+        compiled, stats, self.cache_entry = load_or_compile(
+            model,
+            self.compilation_config,
+            max_num_tokens=e.max_num_batched_tokens,  # type: ignore[arg-type]
+            device=self.device,
+            factors=factors,
+            cache_root=self.cache_root,
+            header={"model": self.model_config.architecture, "model_path": str(self.model_path),
+                    "level": self.compilation_config.level},
+        )
+        return compiled, stats
 
     def _resolve_engine(self, e: EngineConfig) -> EngineConfig:
         cuda = self.device.type == "cuda"

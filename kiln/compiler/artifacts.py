@@ -1,0 +1,147 @@
+"""Writing a compiled model into a cache entry and rebuilding it from one.
+
+An entry holds the split graph (pickled before compiled pieces were installed),
+one Inductor artifact per unique piece and bucket, and a manifest. The artifacts
+need Inductor's own cache (the compiled ``.so`` files on CPU, Triton binaries on
+GPU), which the caller keeps in a directory of its choosing. Rebuilding needs no
+Dynamo trace and no Inductor compile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+from kiln.cache.store import MANIFEST, atomic_write_bytes, atomic_write_json, checksum_tree
+from kiln.compiler.backend import CompiledModel
+from kiln.compiler.capture import GraphInput
+from kiln.compiler.piecewise import PiecewiseBackend
+
+__all__ = ["ENTRY_FORMAT", "current_vec_isa", "inductor_settings", "load_compiled", "save_compiled"]
+
+logger = logging.getLogger(__name__)
+
+ENTRY_FORMAT = 1
+GRAPH_FILE = "graph.pkl"
+
+
+def _artifact_path(sig: str, bucket: int | str) -> str:
+    return f"artifacts/{sig}-{bucket}.bin"
+
+
+def save_compiled(entry: Path, compiled: CompiledModel, pristine_graph: bytes, header: dict[str, Any]) -> dict[str, Any]:
+    """Write ``compiled`` into the (new, private) directory ``entry``; return the
+    manifest, which is written last."""
+    atomic_write_bytes(entry / GRAPH_FILE, pristine_graph)
+    backends: dict[str, Any] = {}
+    for sig, b in compiled.backends.items():
+        (entry / "artifacts").mkdir(parents=True, exist_ok=True)
+        info: dict[str, Any] = {
+            "token_index": list(b.token_index),
+            "returns_tuple": b.returns_tuple,
+            "exact": {},
+        }
+        if b.range is not None:
+            info["range"] = _artifact_path(sig, "range")
+            b.range.save(path=str(entry / info["range"]), format="binary")
+        for n, fn in sorted(b.exact.items()):
+            rel = _artifact_path(sig, n)
+            fn.save(path=str(entry / rel), format="binary")
+            info["exact"][str(n)] = rel
+        backends[sig] = info
+    manifest = {
+        **header,
+        "format": ENTRY_FORMAT,
+        "graph": GRAPH_FILE,
+        "inputs": [[g.kind, g.name] for g in compiled.inputs],
+        "pieces": compiled.piece_signatures,
+        "backends": backends,
+        "files": checksum_tree(entry),
+    }
+    atomic_write_json(entry / MANIFEST, manifest)
+    return manifest
+
+
+def load_compiled(
+    entry: Path, manifest: dict[str, Any], model: nn.Module, max_num_tokens: int, inductor_dir: Path
+) -> tuple[CompiledModel, int]:
+    """Rebuild the compiled callable from ``entry``; Inductor reads (and may write)
+    its cache at ``inductor_dir``. Returns the callable and the artifacts loaded."""
+    import kiln.kernels  # noqa: F401  (the pickled graph calls torch.ops.kiln.attention)
+
+    if manifest.get("format") != ENTRY_FORMAT:
+        raise ValueError(f"{entry}: entry format {manifest.get('format')!r}, this kiln reads {ENTRY_FORMAT}")
+    module = pickle.loads((entry / manifest["graph"]).read_bytes())
+    inputs = [GraphInput(kind, name) for kind, name in manifest["inputs"]]
+    backends: dict[str, PiecewiseBackend] = {}
+    loaded = 0
+    with temporary_cache_dir(str(inductor_dir)), inductor_settings(), _no_isa_probe(manifest.get("vec_isa")):
+        for sig, info in manifest["backends"].items():
+            i, dim = info["token_index"]
+            b = PiecewiseBackend(sig, (i, dim), max_num_tokens, info["returns_tuple"])
+            if "range" in info:
+                b.range = _load_artifact(entry / info["range"])
+                loaded += 1
+            for n, rel in info["exact"].items():
+                b.exact[int(n)] = _load_artifact(entry / rel)
+                loaded += 1
+            backends[sig] = b
+    return CompiledModel(module, inputs, model, backends, dict(manifest["pieces"])), loaded
+
+
+@contextlib.contextmanager
+def inductor_settings() -> Iterator[None]:
+    """Inductor settings that must be the same when an entry is built and loaded.
+
+    Precompiled C++ headers are off: they live outside any cache directory (under
+    $TMPDIR), so every fresh container would run the preprocessor, and often build
+    the header, at each warm start; the setting is also part of every kernel's
+    cache key. Cold compiles pay for it (about 1.6x on CPU)."""
+    from torch._inductor import config
+
+    patch = {"cpp_cache_precompile_headers": False} if hasattr(config, "cpp_cache_precompile_headers") else {}
+    with config.patch(patch):
+        yield
+
+
+def current_vec_isa() -> str | None:
+    """The vector ISA Inductor's C++ code targets on this CPU."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return str(pick_vec_isa()) or None
+
+
+@contextlib.contextmanager
+def _no_isa_probe(recorded: str | None) -> Iterator[None]:
+    """Loading a CPU artifact asks Inductor which vector ISA to use, and Inductor
+    answers by test-compiling with the C++ compiler. The entry recorded the answer
+    at compile time, and its key pins the CPU's ISA: trust the CPU's flags instead,
+    provided they give the same answer."""
+    if recorded is None:
+        yield
+        return
+    from torch._inductor import config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa, valid_vec_isa_list
+
+    with config.patch({"cpp.vec_isa_ok": True}):
+        valid_vec_isa_list.cache_clear()
+        try:
+            if str(pick_vec_isa()) == recorded:
+                yield
+                return
+        finally:
+            valid_vec_isa_list.cache_clear()
+    logger.info("CPU vector ISA differs from the entry's (%s); Inductor will probe it", recorded)
+    yield
+
+
+def _load_artifact(path: Path) -> Any:
+    return torch._inductor.CompiledArtifact.load(path=str(path), format="binary")
