@@ -26,6 +26,8 @@ test: setup
 
 bench: setup
 	$(PY) -m bench.decode
+	$(PY) -m bench.compile_scaling
+	$(PY) -m bench.startup
 
 clean:
 	rm -rf $(VENV) build *.egg-info
