@@ -24,6 +24,7 @@ from kiln.cache.store import MANIFEST, atomic_write_bytes, atomic_write_json, ch
 from kiln.compiler.backend import CompiledModel
 from kiln.compiler.capture import GraphInput
 from kiln.compiler.piecewise import PiecewiseBackend
+from kiln.compiler.split import bind_eager_implementations
 
 __all__ = ["ENTRY_FORMAT", "current_vec_isa", "inductor_settings", "load_compiled", "save_compiled"]
 
@@ -71,7 +72,8 @@ def save_compiled(entry: Path, compiled: CompiledModel, pristine_graph: bytes, h
 
 
 def load_compiled(
-    entry: Path, manifest: dict[str, Any], model: nn.Module, max_num_tokens: int, inductor_dir: Path
+    entry: Path, manifest: dict[str, Any], model: nn.Module, max_num_tokens: int, inductor_dir: Path,
+    eager_impls: dict[str, Any] | None = None,
 ) -> tuple[CompiledModel, int]:
     """Rebuild the compiled callable from ``entry``; Inductor reads (and may write)
     its cache at ``inductor_dir``. Returns the callable and the artifacts loaded."""
@@ -80,6 +82,8 @@ def load_compiled(
     if manifest.get("format") != ENTRY_FORMAT:
         raise ValueError(f"{entry}: entry format {manifest.get('format')!r}, this kiln reads {ENTRY_FORMAT}")
     module = pickle.loads((entry / manifest["graph"]).read_bytes())
+    if eager_impls:
+        bind_eager_implementations(module, eager_impls)
     inputs = [GraphInput(kind, name) for kind, name in manifest["inputs"]]
     backends: dict[str, PiecewiseBackend] = {}
     loaded = 0

@@ -16,7 +16,7 @@ from torch import fx, nn
 
 from kiln.compiler.capture import CapturedGraph, GraphInput, capture
 from kiln.compiler.piecewise import PiecewiseBackend, inductor_compile, token_arg
-from kiln.compiler.split import SplitGraph, split_graph
+from kiln.compiler.split import SplitGraph, bind_eager_implementations, split_graph
 from kiln.config import CompilationConfig
 from kiln.forward_context import ForwardContext, set_forward_context
 from kiln.progress import Progress
@@ -96,12 +96,15 @@ def compile_model(
     max_num_tokens: int,
     device: torch.device,
     progress: bool | None = None,
+    eager_impls: dict[str, Any] | None = None,
 ) -> tuple[CompiledModel, CompileStats, bytes]:
     """Piecewise-compile ``model`` for token counts ``[1, max_num_tokens]`` with
     exact runnables for ``config.compile_sizes``. ``config`` must be resolved.
 
-    Returns the callable, its statistics, and the pickled split graph (before the
-    compiled pieces were installed) for ``save_compiled``."""
+    ``eager_impls`` ("ns::op" -> Python function) are called directly in the
+    attention pieces. Returns the callable, its statistics, and the pickled split
+    graph (before compiled pieces and direct calls were installed) for
+    ``save_compiled``."""
     stats = CompileStats()
     t0 = time.perf_counter()
     captured: CapturedGraph = capture(model, device)
@@ -168,5 +171,7 @@ def compile_model(
         "compiled %d pieces (%d unique) x %d buckets: %d Inductor compilations in %.1fs",
         stats.pieces, stats.unique_pieces, 1 + len(sizes), stats.inductor_compiles, stats.phases["compile"],
     )
+    if eager_impls:
+        bind_eager_implementations(split.module, eager_impls)
     signatures = {p.name: p.signature for p in compute}
     return CompiledModel(split.module, captured.inputs, model, backends, signatures), stats, pristine

@@ -60,7 +60,7 @@ def _stats_from_manifest(manifest: dict[str, Any], loaded: int, source: str) -> 
 
 def load_entry(
     entry: Path, model: nn.Module, max_num_tokens: int, *, factors: dict[str, Any], source: str,
-    inductor_dir: Path, strict: bool = False,
+    inductor_dir: Path, strict: bool = False, eager_impls: dict[str, Any] | None = None,
 ) -> tuple[CompiledModel, CompileStats] | None:
     """Load a verified entry; None when it is missing, fails its checksums or was
     made for other factors (``strict``: raise FactorMismatchError instead)."""
@@ -79,7 +79,7 @@ def load_entry(
                        entry, ", ".join(k for k, _, _ in diffs[:4]))
         return None
     t0 = time.perf_counter()
-    compiled, loaded = load_compiled(entry, manifest, model, max_num_tokens, inductor_dir)
+    compiled, loaded = load_compiled(entry, manifest, model, max_num_tokens, inductor_dir, eager_impls)
     stats = _stats_from_manifest(manifest, loaded, source)
     stats.phases["load_artifacts"] = round(time.perf_counter() - t0, 4)
     return compiled, stats
@@ -94,6 +94,7 @@ def load_or_compile(
     factors: dict[str, Any],
     cache_root: Path,
     header: dict[str, Any] | None = None,
+    eager_impls: dict[str, Any] | None = None,
 ) -> tuple[CompiledModel, CompileStats, Path]:
     """The compiled model from the automatic cache under ``cache_root``, compiling
     (once, under a lock) when the entry is missing or corrupted. Also returns the
@@ -105,14 +106,17 @@ def load_or_compile(
     inductor_dir = cache_root / "inductor"
     with entry_lock(root, key):
         rebuilt = (entry / "manifest.json").exists()
-        found = load_entry(entry, model, max_num_tokens, factors=factors, source="hit", inductor_dir=inductor_dir)
+        found = load_entry(entry, model, max_num_tokens, factors=factors, source="hit",
+                           inductor_dir=inductor_dir, eager_impls=eager_impls)
         if found is not None:
             return (*found, entry)
         # Built in place; the manifest, written last, is what makes it valid.
         shutil.rmtree(entry, ignore_errors=True)
         entry.mkdir(parents=True)
         with temporary_cache_dir(str(inductor_dir)), inductor_settings():
-            compiled, stats, pristine = compile_model(model, config, max_num_tokens=max_num_tokens, device=device)
+            compiled, stats, pristine = compile_model(
+                model, config, max_num_tokens=max_num_tokens, device=device, eager_impls=eager_impls
+            )
         saved_stats = {"pieces": stats.pieces, "unique_pieces": stats.unique_pieces,
                        "inductor_compiles": stats.inductor_compiles, "phases": stats.phases}
         save_compiled(entry, compiled, pristine, {

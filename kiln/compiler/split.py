@@ -9,13 +9,15 @@ layer, which ``piece_signature`` recognises so they are compiled once.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
-__all__ = ["Piece", "SplitGraph", "split_graph", "piece_signature", "is_splitting_node"]
+__all__ = ["Piece", "SplitGraph", "bind_eager_implementations", "split_graph", "piece_signature", "is_splitting_node"]
 
 
 @dataclass
@@ -105,3 +107,24 @@ def piece_signature(gm: fx.GraphModule) -> str:
         meta = _describe(node.meta.get("example_value")) if node.op == "placeholder" else ""
         parts.append(f"{node.op}|{target}|{args!r}|{meta}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def bind_eager_implementations(module: fx.GraphModule, implementations: dict[str, Callable[..., Any]]) -> int:
+    """In the (eagerly run) splitting pieces of ``module``, call the Python function
+    behind each op of ``implementations`` ("ns::op" -> function) directly rather
+    than through the dispatcher. Returns the number of calls rebound."""
+    bound = 0
+    for sub in module.children():
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        changed = False
+        for node in sub.graph.nodes:
+            name = _op_name(node.target) if node.op == "call_function" else None
+            fn = implementations.get(name.split(".")[0]) if name else None
+            if fn is not None:
+                node.target = fn
+                changed = True
+                bound += 1
+        if changed:
+            sub.recompile()
+    return bound

@@ -5,16 +5,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kiln.cache.keys import cache_factors
-from kiln.compiler import CompiledModel, CompileStats
-from kiln.compiler.cached import FactorMismatchError, load_entry, load_or_compile
 from kiln.runtime.bundle import BUNDLE_COMPILED_DIR, bundle_model_dirs, private_inductor_copy, read_bundle
+
+if TYPE_CHECKING:
+    from kiln.compiler import CompiledModel, CompileStats
 from kiln.config import DEFAULT_LEVEL, CompilationConfig, EngineConfig, default_cache_dir
 from kiln.runtime.block_pool import BlockPool
 from kiln.runtime.detokenizer import IncrementalDetokenizer
@@ -46,6 +46,22 @@ class _Tracked:
     request: Request
     detok: IncrementalDetokenizer
     emitted_tokens: int = 0
+
+
+@dataclass
+class _NoCompile:
+    """The compile statistics of an eager (-O0) runtime."""
+
+    dynamo_traces: int = 0
+    inductor_compiles: int = 0
+    artifacts_loaded: int = 0
+    pieces: int = 0
+    unique_pieces: int = 0
+    cache: str = "off"
+    compile_seconds: dict[str, float] = field(default_factory=dict)
+
+
+_NO_COMPILE = _NoCompile()
 
 
 class _Timer:
@@ -239,8 +255,8 @@ class Runtime:
         e.num_kv_blocks = num_blocks
 
         forward = None
-        stats = CompileStats()
         self.cache_entry: Path | None = None
+        stats = _NO_COMPILE
         if self.compilation_config.level > 0:
             forward, stats = self._compile(model, path if bundle is not None else None, on_mismatch)
             timer.phases.update(stats.phases)
@@ -291,12 +307,19 @@ class Runtime:
 
     def cache_factors(self) -> dict[str, Any]:
         """What the compiled code of this runtime depends on (the cache key's input)."""
+        from kiln.cache.keys import cache_factors
+
         model_fields = {**self.model_config.key_fields(), "rope_positions": self.rope_positions}
         return cache_factors(model_fields, self.dtype, self.compilation_config.to_dict(), self.device)
 
     def _compile(
         self, model: torch.nn.Module, bundle_dir: Path | None, on_mismatch: str
-    ) -> tuple[CompiledModel, CompileStats]:
+    ) -> "tuple[CompiledModel, CompileStats]":
+        # Imported here: torch._dynamo and torch._inductor take seconds to import,
+        # which an eager (-O0) start should not pay.
+        from kiln.compiler.cached import FactorMismatchError, load_entry, load_or_compile
+        from kiln.kernels.attention import EAGER_IMPLEMENTATIONS
+
         e = self.engine_config
         factors = self.cache_factors()
         if bundle_dir is not None:
@@ -307,6 +330,7 @@ class Runtime:
                 found = load_entry(
                     entry, model, e.max_num_batched_tokens,  # type: ignore[arg-type]
                     factors=factors, source="bundle", inductor_dir=inductor, strict=True,
+                    eager_impls=EAGER_IMPLEMENTATIONS,
                 )
                 if found is not None:
                     found[1].phases["copy_inductor_cache"] = round(time.perf_counter() - t0, 4)
@@ -326,6 +350,7 @@ class Runtime:
             device=self.device,
             factors=factors,
             cache_root=self.cache_root,
+            eager_impls=EAGER_IMPLEMENTATIONS,
             header={"model": self.model_config.architecture, "model_path": str(self.model_path),
                     "level": self.compilation_config.level},
         )
@@ -393,7 +418,9 @@ class Runtime:
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         mc, e = self.model_config, self.engine_config
         shape = (2, num_blocks, e.block_size, mc.num_kv_heads, mc.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
+        # Uninitialised on purpose: attention reads only slots written this request,
+        # and touching gigabytes of zeros would cost seconds of startup.
+        return [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
 
     # ---------------------------------------------------------------- requests
     def _tokenize(self, prompt: Prompt, index: int) -> tuple[list[int], str | None]:
