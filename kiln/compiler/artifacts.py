@@ -26,7 +26,7 @@ from kiln.compiler.capture import GraphInput
 from kiln.compiler.piecewise import PiecewiseBackend
 from kiln.compiler.split import bind_eager_implementations
 
-__all__ = ["ENTRY_FORMAT", "current_vec_isa", "inductor_settings", "load_compiled", "save_compiled"]
+__all__ = ["ENTRY_FORMAT", "compiler_identity", "current_vec_isa", "inductor_settings", "load_compiled", "save_compiled"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,12 @@ def load_compiled(
     inputs = [GraphInput(kind, name) for kind, name in manifest["inputs"]]
     backends: dict[str, PiecewiseBackend] = {}
     loaded = 0
-    with temporary_cache_dir(str(inductor_dir)), inductor_settings(), _no_isa_probe(manifest.get("vec_isa")):
+    with (
+        temporary_cache_dir(str(inductor_dir)),
+        inductor_settings(),
+        _no_isa_probe(manifest.get("vec_isa")),
+        _recorded_compiler(manifest.get("cxx")),
+    ):
         for sig, info in manifest["backends"].items():
             i, dim = info["token_index"]
             b = PiecewiseBackend(sig, (i, dim), max_num_tokens, info["returns_tuple"])
@@ -145,6 +150,55 @@ def _no_isa_probe(recorded: str | None) -> Iterator[None]:
             valid_vec_isa_list.cache_clear()
     logger.info("CPU vector ISA differs from the entry's (%s); Inductor will probe it", recorded)
     yield
+
+
+_IDENTITY_CHECKS = ("_is_clang", "_is_gcc", "_is_apple_clang", "_is_intel_compiler", "_is_msvc_cl")
+
+
+def compiler_identity() -> dict[str, Any] | None:
+    """What Inductor learns about the C++ compiler by running it (``--version``):
+    recorded when an entry is built so that loading it needs no compiler at all."""
+    from torch._inductor import cpp_builder
+
+    try:
+        cxx = cpp_builder.get_cpp_compiler()
+        identity: dict[str, Any] = {"compiler": cxx, "version": cpp_builder.get_compiler_version_info(cxx)}
+        for name in _IDENTITY_CHECKS:
+            fn = getattr(cpp_builder, name, None)
+            if fn is not None:
+                identity[name] = bool(fn(cxx))
+        return identity
+    except Exception:  # no compiler, or an Inductor without these helpers
+        logger.debug("could not record the C++ compiler's identity", exc_info=True)
+        return None
+
+
+@contextlib.contextmanager
+def _recorded_compiler(identity: dict[str, Any] | None) -> Iterator[None]:
+    """Answer Inductor's compiler questions from the entry instead of running the
+    compiler: a warm start then works in an image with no C++ toolchain."""
+    if not identity:
+        yield
+        return
+    from torch._inductor import codecache, cpp_builder
+
+    patches: dict[tuple[Any, str], Any] = {
+        (cpp_builder, "cpp_compiler_search"): lambda search: identity["compiler"],
+        (cpp_builder, "get_compiler_version_info"): lambda compiler: identity["version"],
+        (codecache, "get_compiler_version_info"): lambda compiler: identity["version"],
+    }
+    for name in _IDENTITY_CHECKS:
+        if name in identity:
+            patches[(cpp_builder, name)] = lambda compiler, _v=identity[name]: _v
+    saved = {(mod, name): getattr(mod, name) for mod, name in patches if hasattr(mod, name)}
+    try:
+        for (mod, name), fn in patches.items():
+            if (mod, name) in saved:
+                setattr(mod, name, fn)
+        yield
+    finally:
+        for (mod, name), fn in saved.items():
+            setattr(mod, name, fn)
 
 
 def _load_artifact(path: Path) -> Any:

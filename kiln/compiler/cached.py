@@ -25,7 +25,7 @@ from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
 from kiln.cache.keys import cache_key, diff_factors
 from kiln.cache.store import entry_lock, read_manifest, verify_entry
-from kiln.compiler.artifacts import current_vec_isa, inductor_settings, load_compiled, save_compiled
+from kiln.compiler.artifacts import compiler_identity, current_vec_isa, inductor_settings, load_compiled, save_compiled
 from kiln.compiler.backend import CompiledModel, CompileStats, compile_model
 from kiln.config import CompilationConfig
 
@@ -122,6 +122,7 @@ def load_or_compile(
         save_compiled(entry, compiled, pristine, {
             **(header or {}), "key": key, "factors": factors, "created": time.time(), "stats": saved_stats,
             "vec_isa": current_vec_isa() if device.type == "cpu" else None,
+            "cxx": compiler_identity() if device.type == "cpu" else None,
         })
     stats.cache = "rebuilt" if rebuilt else "miss"
     return compiled, stats, entry
