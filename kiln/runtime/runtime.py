@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +14,9 @@ import torch
 from kiln.runtime.bundle import BUNDLE_COMPILED_DIR, bundle_model_dirs, private_inductor_copy, read_bundle
 
 if TYPE_CHECKING:
-    from kiln.compiler import CompiledModel, CompileStats
+    from kiln.compiler.backend import CompiledModel
+# backend is light to import; what needs torch._dynamo / torch._inductor is imported in _compile
+from kiln.compiler.backend import CompileStats
 from kiln.config import DEFAULT_LEVEL, CompilationConfig, EngineConfig, default_cache_dir
 from kiln.runtime.block_pool import BlockPool
 from kiln.runtime.detokenizer import IncrementalDetokenizer
@@ -46,22 +48,6 @@ class _Tracked:
     request: Request
     detok: IncrementalDetokenizer
     emitted_tokens: int = 0
-
-
-@dataclass
-class _NoCompile:
-    """The compile statistics of an eager (-O0) runtime."""
-
-    dynamo_traces: int = 0
-    inductor_compiles: int = 0
-    artifacts_loaded: int = 0
-    pieces: int = 0
-    unique_pieces: int = 0
-    cache: str = "off"
-    compile_seconds: dict[str, float] = field(default_factory=dict)
-
-
-_NO_COMPILE = _NoCompile()
 
 
 class _Timer:
@@ -256,7 +242,7 @@ class Runtime:
 
         forward = None
         self.cache_entry: Path | None = None
-        stats = _NO_COMPILE
+        stats = CompileStats()
         if self.compilation_config.level > 0:
             forward, stats = self._compile(model, path if bundle is not None else None, on_mismatch)
             timer.phases.update(stats.phases)
