@@ -30,6 +30,7 @@ a shared machine hits them alike; each row also reports the spread of its runs.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import dataclasses
 import datetime as dt
@@ -200,7 +201,16 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-class Engine:
+def split_token_ids(runs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[int], bool]:
+    """Copies of ``runs`` without their token ids, the first run's ids, and whether
+    every run produced the same ones."""
+    runs = [dict(r) for r in runs]
+    token_ids = runs[0].pop("token_ids")
+    deterministic = all(r.pop("token_ids") == token_ids for r in runs[1:])
+    return runs, token_ids, deterministic
+
+
+class Engine(abc.ABC):
     """One configuration being measured: loaded when built, warmed up once, then
     timed one run at a time so that several engines can take turns.
 
@@ -213,17 +223,17 @@ class Engine:
     engine: str = ""
     label: str = ""
 
+    @abc.abstractmethod
     def warmup(self) -> None:
         """Run once untimed (first-call costs: allocation, compilation, caches)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def run_once(self) -> dict[str, Any]:
         """One timed run; holds at least ``decode_tokens_per_s`` and ``token_ids``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def summary(self, runs: list[dict[str, Any]]) -> dict[str, Any]:
         """The result over the timed runs."""
-        raise NotImplementedError
 
     def close(self) -> None:
         """Drop the model."""
@@ -327,9 +337,7 @@ class KilnEngine(Engine):
 
     def summary(self, runs: list[dict[str, Any]]) -> dict[str, Any]:
         """Medians of each figure (each taken separately), and every run."""
-        runs = [dict(r) for r in runs]
-        token_ids = runs[0].pop("token_ids")
-        deterministic = all(r.pop("token_ids") == token_ids for r in runs[1:])
+        runs, token_ids, deterministic = split_token_ids(runs)
         result: dict[str, Any] = {
             "engine": self.engine,
             "level": self.level,
@@ -423,9 +431,7 @@ class TransformersEngine(Engine):
     def summary(self, runs: list[dict[str, Any]]) -> dict[str, Any]:
         import transformers
 
-        runs = [dict(r) for r in runs]
-        token_ids = runs[0].pop("token_ids")
-        deterministic = all(r.pop("token_ids") == token_ids for r in runs[1:])
+        runs, token_ids, deterministic = split_token_ids(runs)
         result: dict[str, Any] = {
             "engine": self.engine,
             "label": self.label,

@@ -39,6 +39,25 @@ class CompileStats:
     cache: str = "off"  # off | miss | hit | bundle | rebuilt
 
 
+class ArgumentBinder:
+    """The traced graph's arguments for one step: the model's parameters and
+    buffers in placeholder order, with the step's token ids, positions and token
+    count in their slots."""
+
+    def __init__(self, inputs: list[GraphInput], model: nn.Module) -> None:
+        tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
+        tensors.update(model.named_buffers())
+        self._args: list[Any] = [tensors[g.name] if g.kind == "param" else None for g in inputs]
+        self._dynamic = [(i, g.kind) for i, g in enumerate(inputs) if g.kind != "param"]
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> list[Any]:
+        args = list(self._args)
+        n = input_ids.shape[0]
+        for i, kind in self._dynamic:
+            args[i] = input_ids if kind == "input_ids" else positions if kind == "positions" else n
+        return args
+
+
 class CompiledModel:
     """Calls the split graph directly (no Dynamo, no guards) with the model's
     parameters in the order the trace recorded them."""
@@ -51,17 +70,7 @@ class CompiledModel:
         self.piece_signatures = piece_signatures  # submodule name -> backend signature
         for name, sig in piece_signatures.items():
             module.__dict__[name] = backends[sig]
-        tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
-        tensors.update(model.named_buffers())
-        self._args: list[Any] = [tensors[g.name] if g.kind == "param" else None for g in inputs]
-        self._dynamic = [(i, g.kind) for i, g in enumerate(inputs) if g.kind != "param"]
-
-    def arguments(self, input_ids: torch.Tensor, positions: torch.Tensor) -> list[Any]:
-        args = list(self._args)
-        n = input_ids.shape[0]
-        for i, kind in self._dynamic:
-            args[i] = input_ids if kind == "input_ids" else positions if kind == "positions" else n
-        return args
+        self.arguments = ArgumentBinder(inputs, model)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         out = self.module(*self.arguments(input_ids, positions))
@@ -134,16 +143,10 @@ def compile_model(
             returns_tuple=isinstance(out_node.args[0], (tuple, list)),
         )
     index_of = {sig: i for i, sig in enumerate(representatives)}
-    named: dict[str, torch.Tensor] = dict(model.named_parameters())
-    named.update(model.named_buffers())
+    bind = ArgumentBinder(captured.inputs, model)
 
     def example_args(n: int) -> list[Any]:
-        ids = torch.zeros(n, dtype=torch.long, device=device)
-        pos = torch.arange(n, dtype=torch.long, device=device)
-        return [
-            named[g.name] if g.kind == "param" else ids if g.kind == "input_ids" else pos if g.kind == "positions" else n
-            for g in captured.inputs
-        ]
+        return bind(torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, dtype=torch.long, device=device))
 
     total = len(representatives) * (1 + len(sizes))
     with Progress(total, "compiling", enabled=progress) as bar:
