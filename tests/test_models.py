@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from kiln import Runtime, SamplingParams
+from kiln import SamplingParams
 from tests.conftest import load_eager
 from tests.conftest import build_hf_model, hf_greedy, random_prompts, save_checkpoint
 

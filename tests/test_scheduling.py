@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln import Runtime, SamplingParams
+from kiln import SamplingParams
 from tests.conftest import load_eager
 from kiln.runtime.block_pool import BlockPool
 from kiln.runtime.request import Request

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import pickle
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -57,7 +57,6 @@ def paged_attention_torch(
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[-2]
     group = num_heads // num_kv_heads
-    block_size = kv_cache.shape[2]
     qsl, seq_lens, nblocks = meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.num_blocks_cpu
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     for i in range(meta.num_reqs):
