@@ -53,6 +53,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="token counts compiled exactly (default: the level's)")
     p.add_argument("--cudagraph-mode", default=None, choices=[m.value for m in CUDAGraphMode],
                    help="CUDA graph mode (GPU only; default: the level's)")
+    p.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"],
+                   help="attention kernels (default: $KILN_ATTENTION_BACKEND, else auto: triton on CUDA, torch on CPU)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -72,6 +74,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         cache_dir=args.cache_dir,
+        attention_backend=args.attention_backend,
         **_compilation_overrides(args),
     )
     if args.verbose:

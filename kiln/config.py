@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_LEVEL",
     "default_capture_sizes",
     "CUDAGraphMode",
+    "CUDAGraphSupport",
     "CompilationConfig",
     "EngineConfig",
     "SUPPORTED_LEVELS",
@@ -47,6 +48,19 @@ class CUDAGraphMode(str, enum.Enum):
         except ValueError:
             choices = ", ".join(m.value for m in cls)
             raise ValueError(f"cudagraph_mode={value!r} is not one of {choices}") from None
+
+
+class CUDAGraphSupport(str, enum.Enum):
+    """What an attention backend allows inside a captured CUDA graph.
+
+    A backend whose kernels read host-side values that change per step (request
+    counts, sequence lengths in Python lists) cannot sit inside a FULL graph; the
+    dispatcher downgrades the mode to what the backend declares.
+    """
+
+    NEVER = "never"  # attention always runs outside graphs (PIECEWISE at most)
+    UNIFORM_DECODE = "uniform_decode"  # FULL graphs only for one-token-per-request batches
+    ALWAYS = "always"  # FULL graphs for any batch shape
 
 
 def default_cache_dir() -> Path:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
 
 from kiln.config import CUDAGraphMode
 
 __all__ = [
+    "AttentionImpl",
     "AttentionMetadata",
     "BatchDescriptor",
     "ForwardContext",
@@ -50,11 +51,32 @@ class AttentionMetadata:
 
 @dataclass(frozen=True)
 class BatchDescriptor:
-    """The key under which a step's CUDA graph is captured and replayed."""
+    """The key under which a step's CUDA graph is captured and replayed.
+
+    ``num_tokens`` and ``num_reqs`` are padded counts; ``num_reqs`` is None for a
+    piecewise graph, whose compute pieces do not depend on it. ``uniform``: every
+    request has one query token (a pure decode batch).
+    """
 
     num_tokens: int
-    num_reqs: int
+    num_reqs: int | None
     uniform: bool
+
+
+class AttentionImpl(Protocol):
+    """What the attention op calls (kiln.kernels.backends implements it)."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        out: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int,
+    ) -> None: ...
 
 
 @dataclass
@@ -63,6 +85,7 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
     batch_descriptor: BatchDescriptor | None = None
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE
+    attention_backend: AttentionImpl | None = None  # None: the torch reference
 
 
 _CONTEXT: ForwardContext | None = None

@@ -17,6 +17,11 @@ if TYPE_CHECKING:
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+# Without a GPU the Triton kernels run in Triton's interpreter. It is chosen when
+# a kernel is defined, so the variable must be set before kiln's kernels import.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Compiled entries of this session live in a private cache: counts of compilations
 # asserted here must not depend on what an earlier run left in the user's cache.
 _SESSION_CACHE = Path(tempfile.mkdtemp(prefix="kiln-test-cache-"))

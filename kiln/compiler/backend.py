@@ -14,6 +14,7 @@ import torch
 from torch import fx, nn
 
 from kiln.compiler.capture import CapturedGraph, GraphInput, capture
+from kiln.compiler.gemv import CPU_GEMV_MAX_TOKENS, decompose_linears
 from kiln.compiler.piecewise import PiecewiseBackend, inductor_compile, token_arg
 from kiln.compiler.split import SplitGraph, bind_eager_implementations, split_graph
 from kiln.config import CompilationConfig
@@ -161,9 +162,10 @@ def compile_model(
             recorded = _record_piece_inputs(split, example_args(n), {p.name for p in representatives.values()})
             for sig, piece in representatives.items():
                 ts = time.perf_counter()
-                backends[sig].exact[n] = inductor_compile(
-                    piece.graph_module, recorded[piece.name], dynamic=False, options=options
-                )
+                gm = piece.graph_module
+                if device.type == "cpu" and n <= CPU_GEMV_MAX_TOKENS:
+                    gm, _ = decompose_linears(gm)
+                backends[sig].exact[n] = inductor_compile(gm, recorded[piece.name], dynamic=False, options=options)
                 label = f"piece {index_of[sig]} [{n}]"
                 stats.compile_seconds[label] = round(time.perf_counter() - ts, 4)
                 stats.inductor_compiles += 1

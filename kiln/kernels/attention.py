@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.forward_context import AttentionMetadata, get_forward_context
+from kiln.kernels.backends import TorchAttentionBackend
 
 __all__ = ["EAGER_IMPLEMENTATIONS", "attend", "attention", "write_kv_cache", "paged_attention_torch"]
 
@@ -25,16 +26,16 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Scatter ``key``/``value`` rows ([T, kv_heads, head_dim]) into the cache
-    ([2, blocks, block_size, kv_heads, head_dim]) at ``slot_mapping``. Rows whose
-    slot is negative are padding and are not written."""
+    ([2, blocks, block_size, kv_heads, head_dim]) at ``slot_mapping[:T]``.
+
+    Every slot must be a real one: callers pass only the step's actual tokens
+    (padding rows, slot -1, are sliced off before), which spares a device-to-host
+    check of the slots on every layer of every step."""
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
     slots = slot_mapping[:num_tokens]
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-    if bool((slots < 0).any()):
-        valid = slots >= 0
-        slots, key, value = slots[valid], key[valid], value[valid]
     flat[0].index_copy_(0, slots, key)
     flat[1].index_copy_(0, slots, value)
 
@@ -96,21 +97,22 @@ def _attention_impl(
     scale: float,
     sliding_window: int,
 ) -> None:
-    """Paged attention for layer ``layer_idx``; ``sliding_window <= 0`` means none."""
+    """Paged attention for layer ``layer_idx``; ``sliding_window <= 0`` means none.
+    The backend comes from the forward context (torch when it names none)."""
     ctx = get_forward_context()
     meta = ctx.attn_metadata
     if meta is None:  # a profiling or tracing run with no requests behind it
         out.zero_()
         return
-    kv_cache = ctx.kv_caches[layer_idx]
-    n = meta.num_actual_tokens
-    write_kv_cache(key[:n], value[:n], kv_cache, meta.slot_mapping)
-    paged_attention_torch(query[:n], kv_cache, out, meta, scale, sliding_window)
+    backend = ctx.attention_backend or _TORCH_BACKEND
+    backend.forward(query, key, value, out, ctx.kv_caches[layer_idx], meta, scale, sliding_window)
 
 
 def _attention_fake(query, key, value, out, layer_idx, scale, sliding_window) -> None:  # noqa: ANN001
     return None
 
+
+_TORCH_BACKEND = TorchAttentionBackend()
 
 # Registered through torch.library.Library rather than @custom_op: the decorator's
 # Python dispatch layers cost ~90 us a call, paid by every layer of every eager step.

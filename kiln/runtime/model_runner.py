@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kiln.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from kiln.forward_context import AttentionImpl, AttentionMetadata, ForwardContext, set_forward_context
 from kiln.runtime.model import DecoderModel
 from kiln.runtime.sampler import Sampler
 from kiln.runtime.scheduler import SchedulerOutput
@@ -63,8 +63,10 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        attention_backend: AttentionImpl | None = None,
     ) -> None:
         self.model = model
+        self.attention_backend = attention_backend
         # the compiled model when there is one; ``model`` stays for its lm_head
         self.forward = forward or model
         self.kv_caches = kv_caches
@@ -144,7 +146,9 @@ class ModelRunner:
         meta, num_samples = self._prepare(sched)
         n = meta.num_actual_tokens
         t1 = time.perf_counter()
-        context = ForwardContext(attn_metadata=meta, kv_caches=self.kv_caches)
+        context = ForwardContext(
+            attn_metadata=meta, kv_caches=self.kv_caches, attention_backend=self.attention_backend
+        )
         with set_forward_context(context):
             hidden = self.forward(self.input_ids.device[:n], self.positions.device[:n])
         logits = self.model.compute_logits(hidden[self.logits_indices.device[:num_samples]])

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 # backend is light to import; what needs torch._dynamo / torch._inductor is imported in _compile
 from kiln.compiler.backend import CompileStats
 from kiln.config import DEFAULT_LEVEL, CompilationConfig, EngineConfig, default_cache_dir
+from kiln.kernels.backends import get_attention_backend, resolve_attention_backend
 from kiln.runtime.block_pool import BlockPool
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.loader import load_model
@@ -137,6 +138,7 @@ class Runtime:
         block_size: int | None = None,
         num_kv_blocks: int | None = None,
         cache_dir: "str | Path | None" = None,
+        attention_backend: str | None = None,
         **overrides: Any,
     ) -> "Runtime":
         """Load a Hugging Face checkpoint directory, a bundle written by
@@ -144,7 +146,9 @@ class Runtime:
 
         ``optimization_level`` defaults to 2, or to the level a bundle was
         compiled at. ``cache_dir`` holds compiled entries (default: kiln's cache
-        directory). ``overrides`` take engine fields (``kv_cache_memory_bytes``,
+        directory). ``attention_backend`` is ``"auto"`` (Triton on CUDA, torch
+        elsewhere), ``"torch"`` or ``"triton"``; left as ``None`` it comes from
+        ``KILN_ATTENTION_BACKEND``, else ``"auto"``. ``overrides`` take engine fields (``kv_cache_memory_bytes``,
         ``gpu_memory_utilization``, ``seed``), compilation fields
         (``compile_sizes``, ``cudagraph_mode``, ...), ``on_mismatch``
         (``"error"``, the default, or ``"recompile"``: what to do with a bundle
@@ -166,6 +170,7 @@ class Runtime:
         weights_path = overrides.pop("weights_path", None)
         self = cls()
         self.device = _resolve_device(device)
+        backend_name = resolve_attention_backend(attention_backend, self.device)
         self.cache_root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
         if str(path) == "demo":
             from kiln.demo import ensure_demo_model
@@ -248,6 +253,8 @@ class Runtime:
             timer.phases.update(stats.phases)
         self.compiled = forward
 
+        with timer("attention_backend"):
+            self.attention_backend = get_attention_backend(backend_name)
         self.pool = BlockPool(num_blocks, e.block_size)
         self.scheduler = Scheduler(self.pool, e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len)
         self.runner = ModelRunner(
@@ -260,6 +267,7 @@ class Runtime:
             device=self.device,
             seed=e.seed,
             forward=forward,
+            attention_backend=self.attention_backend,
         )
         kv_bytes = sum(t.numel() * t.element_size() for t in kv_caches)
         self.startup_report = {
@@ -271,7 +279,7 @@ class Runtime:
             "dtype": str(self.dtype).removeprefix("torch."),
             "architecture": self.model_config.architecture,
             "cudagraph_mode": self.compilation_config.cudagraph_mode.value,  # type: ignore[union-attr]
-            "attention_backend": "torch",
+            "attention_backend": self.attention_backend.name,
             "dynamo_traces": stats.dynamo_traces,
             "inductor_compiles": stats.inductor_compiles,
             "artifacts_loaded": stats.artifacts_loaded,
