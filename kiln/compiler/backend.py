@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import pickle
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,13 @@ class CompiledModel:
         for name, sig in piece_signatures.items():
             module.__dict__[name] = backends[sig]
         self.arguments = ArgumentBinder(inputs, model)
+
+    def wrap_pieces(self, wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Replace each compute piece's runnable by ``wrap(name, runnable)``: one
+        wrapper per piece, since identical pieces share compiled code but not
+        their inputs (a CUDA graph per layer)."""
+        for name in self.piece_signatures:
+            self.module.__dict__[name] = wrap(name, self.module.__dict__[name])
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         out = self.module(*self.arguments(input_ids, positions))

@@ -17,13 +17,14 @@ if TYPE_CHECKING:
     from kiln.compiler.backend import CompiledModel
 # backend is light to import; what needs torch._dynamo / torch._inductor is imported in _compile
 from kiln.compiler.backend import CompileStats
-from kiln.config import DEFAULT_LEVEL, CompilationConfig, EngineConfig, default_cache_dir
+from kiln.config import DEFAULT_LEVEL, CompilationConfig, CUDAGraphMode, EngineConfig, default_cache_dir
+from kiln.graphs import CUDAGraphDispatcher, TorchCUDAGraphs
 from kiln.kernels.backends import get_attention_backend, resolve_attention_backend
 from kiln.runtime.block_pool import BlockPool
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.loader import load_model
 from kiln.runtime.model_config import CheckpointError, ModelConfig, parse_dtype
-from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.model_runner import CaptureReport, ModelRunner
 from kiln.runtime.request import Request, RequestOutput, SamplingParams, StreamDelta
 from kiln.runtime.scheduler import Scheduler
 
@@ -269,6 +270,7 @@ class Runtime:
             forward=forward,
             attention_backend=self.attention_backend,
         )
+        capture = self._setup_cuda_graphs(forward is not None, timer)
         kv_bytes = sum(t.numel() * t.element_size() for t in kv_caches)
         self.startup_report = {
             "phases": timer.phases,
@@ -278,7 +280,13 @@ class Runtime:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "architecture": self.model_config.architecture,
-            "cudagraph_mode": self.compilation_config.cudagraph_mode.value,  # type: ignore[union-attr]
+            "cudagraph_mode": self.cudagraph_mode.value,
+            "cudagraph_capture_sizes": (
+                self.runner.dispatcher.capture_sizes if self.runner.dispatcher is not None else []
+            ),
+            "cudagraphs_captured": capture.graphs,
+            "cudagraph_capture_seconds": capture.seconds,
+            "cudagraph_memory_bytes": capture.memory_bytes,
             "attention_backend": self.attention_backend.name,
             "dynamo_traces": stats.dynamo_traces,
             "inductor_compiles": stats.inductor_compiles,
@@ -298,6 +306,28 @@ class Runtime:
             num_blocks, e.block_size,
         )
         return self
+
+    def _setup_cuda_graphs(self, compiled: bool, timer: "_Timer") -> CaptureReport:
+        """Install and capture CUDA graphs when the resolved mode asks for them;
+        the dispatcher downgrades the mode to what the attention backend and the
+        compiled model allow. ``self.cudagraph_mode`` is the mode that runs."""
+        requested = self.compilation_config.cudagraph_mode or CUDAGraphMode.NONE
+        self.cudagraph_mode = requested
+        if requested is CUDAGraphMode.NONE:
+            return CaptureReport()
+        dispatcher = CUDAGraphDispatcher(
+            requested,
+            list(self.compilation_config.cudagraph_capture_sizes or []),
+            support=self.attention_backend.cudagraph_support,
+            has_pieces=compiled,
+            max_num_seqs=self.engine_config.max_num_seqs,  # type: ignore[arg-type]
+        )
+        self.cudagraph_mode = dispatcher.mode
+        if dispatcher.mode is CUDAGraphMode.NONE:
+            return CaptureReport()
+        self.runner.install_cuda_graphs(dispatcher, TorchCUDAGraphs())
+        with timer("cudagraph_capture"):
+            return self.runner.capture_graphs()
 
     def cache_factors(self) -> dict[str, Any]:
         """What the compiled code of this runtime depends on (the cache key's input)."""

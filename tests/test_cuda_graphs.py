@@ -1,0 +1,309 @@
+"""CUDA graphs: dispatch decisions, wrapper bookkeeping, and generation through
+captured-and-replayed steps.
+
+On CPU, graphs are emulated by ``RerunGraphs``: a "capture" keeps the callable and
+the tensors it was called with, a "replay" calls it again on those same tensors
+and copies the result into the captured output. That keeps what matters about a
+real graph (it reads the inputs it was captured with, and hands back the captured
+output tensors), so the runner's padding and its fixed-address inputs are
+checked for real; it cannot show that kernels avoid host-side values, which the
+GPU tests at the end cover.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from kiln import Runtime, SamplingParams
+from kiln.config import CompilationConfig, CUDAGraphMode, CUDAGraphSupport, default_capture_sizes
+from kiln.forward_context import BatchDescriptor, ForwardContext, set_forward_context
+from kiln.graphs import CUDAGraphDispatcher, CUDAGraphWrapper, capture_session
+from tests.conftest import build_hf_model, hf_greedy, load_eager, random_prompts, save_checkpoint
+
+NONE, PIECEWISE, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
+F_AND_P, F_DECODE = CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY
+ALWAYS, UNIFORM, NEVER = CUDAGraphSupport.ALWAYS, CUDAGraphSupport.UNIFORM_DECODE, CUDAGraphSupport.NEVER
+SIZES = [1, 2, 4, 8, 16, 24, 32]
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def dispatcher(mode: CUDAGraphMode, support: CUDAGraphSupport = ALWAYS, has_pieces: bool = True,
+               max_num_seqs: int = 16, sizes: list[int] = SIZES) -> CUDAGraphDispatcher:
+    return CUDAGraphDispatcher(mode, sizes, support=support, has_pieces=has_pieces, max_num_seqs=max_num_seqs)
+
+
+# ----------------------------------------------------------------- dispatcher
+
+
+def test_default_capture_sizes() -> None:
+    assert default_capture_sizes(max_num_seqs=64, max_num_batched_tokens=2048)[:6] == [1, 2, 4, 8, 16, 24]
+    assert default_capture_sizes(max_num_seqs=64, max_num_batched_tokens=2048)[-1] == 128
+    assert default_capture_sizes(max_num_seqs=1024, max_num_batched_tokens=8192)[-1] == 512
+    assert default_capture_sizes(max_num_seqs=64, max_num_batched_tokens=20) == [1, 2, 4, 8, 16]
+
+
+def test_full_and_piecewise_decisions() -> None:
+    d = dispatcher(F_AND_P)
+    # uniform decode: FULL, tokens and requests padded together
+    assert d.dispatch(3, 3, True) == _full(4, 4, True)
+    assert d.dispatch(16, 16, True) == _full(16, 16, True)
+    # a mixed batch: PIECEWISE, keyed by the padded token count alone
+    assert d.dispatch(5, 2, False) == _piecewise(8)
+    assert d.dispatch(17, 3, False) == _piecewise(24)
+    # above the largest capture size: no graph, no padding
+    assert d.dispatch(33, 33, True).mode is NONE
+    assert d.dispatch(33, 33, True).descriptor == BatchDescriptor(33, 33, True)
+    assert d.dispatch(40, 2, False).num_tokens == 40
+
+
+def test_full_graph_requests_are_capped_by_max_num_seqs() -> None:
+    d = dispatcher(F_AND_P, max_num_seqs=6)
+    assert d.dispatch(5, 5, True) == _full(8, 6, True)
+
+
+def test_full_mode_pads_mixed_batches_to_every_request_row() -> None:
+    d = dispatcher(FULL, ALWAYS, max_num_seqs=16)
+    assert d.dispatch(5, 2, False) == _full(8, 16, False)
+    assert d.dispatch(2, 2, True) == _full(2, 2, True)
+
+
+def test_full_decode_only_runs_mixed_batches_without_graphs() -> None:
+    d = dispatcher(F_DECODE)
+    assert d.dispatch(2, 2, True) == _full(2, 2, True)
+    assert d.dispatch(7, 2, False).mode is NONE
+    assert d.dispatch(7, 2, False).num_tokens == 7
+
+
+def test_piecewise_mode_never_captures_full_graphs() -> None:
+    d = dispatcher(PIECEWISE)
+    assert d.dispatch(1, 1, True) == _piecewise(1)
+    assert d.dispatch(9, 1, False) == _piecewise(16)
+
+
+@pytest.mark.parametrize(
+    ("requested", "support", "has_pieces", "expected"),
+    [
+        (F_AND_P, NEVER, True, PIECEWISE),
+        (FULL, NEVER, True, PIECEWISE),
+        (F_DECODE, NEVER, True, NONE),
+        (FULL, UNIFORM, True, F_AND_P),
+        (F_AND_P, UNIFORM, True, F_AND_P),
+        (PIECEWISE, ALWAYS, False, NONE),
+        (F_AND_P, ALWAYS, False, F_DECODE),
+        (FULL, ALWAYS, False, FULL),
+        (F_AND_P, NEVER, False, NONE),
+        (NONE, ALWAYS, True, NONE),
+    ],
+)
+def test_mode_downgrades_to_what_backend_and_model_allow(requested, support, has_pieces, expected) -> None:
+    assert dispatcher(requested, support, has_pieces).mode is expected
+
+
+def test_uniform_decode_backend_keeps_mixed_batches_out_of_full_graphs() -> None:
+    d = dispatcher(FULL, UNIFORM)
+    assert d.dispatch(4, 4, True).mode is FULL
+    assert d.dispatch(4, 2, False) == _piecewise(4)
+
+
+def test_capture_plan_is_largest_first_and_covers_every_dispatch() -> None:
+    d = dispatcher(F_AND_P, sizes=[1, 2, 4, 8])
+    plan = d.capture_plan()
+    assert [p.num_tokens for p in plan] == [8, 8, 4, 4, 2, 2, 1, 1]
+    keys = {(p.mode, p.descriptor) for p in plan}
+    for n, r, uniform in [(1, 1, True), (3, 3, True), (5, 2, False), (8, 8, True), (8, 1, False)]:
+        got = d.dispatch(n, r, uniform)
+        assert (got.mode, got.descriptor) in keys
+    assert dispatcher(NONE).capture_plan() == []
+    assert len(dispatcher(FULL, ALWAYS, sizes=[1, 2]).capture_plan()) == 4  # uniform and mixed per size
+
+
+def test_a_graph_mode_needs_capture_sizes() -> None:
+    with pytest.raises(ValueError, match="capture size"):
+        dispatcher(F_AND_P, sizes=[])
+
+
+def _full(t: int, r: int, uniform: bool):
+    from kiln.graphs import Dispatch
+
+    return Dispatch(FULL, BatchDescriptor(t, r, uniform))
+
+
+def _piecewise(t: int):
+    from kiln.graphs import Dispatch
+
+    return Dispatch(PIECEWISE, BatchDescriptor(t, None, False))
+
+
+# ----------------------------------------------------------------- wrapper
+
+
+class RerunGraphs:
+    """CPU stand-in for torch.cuda graphs (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.captures = 0
+        self.replays = 0
+
+    def new_pool(self) -> object:
+        return object()
+
+    def capture(self, fn: Callable[[], Any], pool: object) -> tuple[Any, Any]:
+        self.captures += 1
+        out = fn()
+        return (fn, out), out
+
+    def replay(self, graph: Any) -> None:
+        self.replays += 1
+        fn, out = graph
+        _copy_into(out, fn())
+
+
+def _copy_into(dst: Any, src: Any) -> None:
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, (tuple, list)):
+        for d, s in zip(dst, src):
+            _copy_into(d, s)
+
+
+def _context(mode: CUDAGraphMode, desc: BatchDescriptor | None) -> ForwardContext:
+    return ForwardContext(attn_metadata=None, kv_caches=[], batch_descriptor=desc, cudagraph_mode=mode)
+
+
+def test_wrapper_captures_once_per_descriptor_and_replays_the_captured_output() -> None:
+    graphs = RerunGraphs()
+    calls = []
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return x * 2
+
+    w = CUDAGraphWrapper(double, FULL, graphs, graphs.new_pool(), name="double")
+    x = torch.ones(4)
+    d4 = BatchDescriptor(4, 4, True)
+    with set_forward_context(_context(FULL, d4)):
+        with capture_session():
+            first = w(x)
+        x.fill_(3)  # the runner refreshes the buffer in place
+        again = w(x)
+    assert graphs.captures == 1 and graphs.replays == 1 and w.replays == 1
+    assert again is first  # the captured output tensor, refreshed
+    assert torch.equal(again, torch.full((4,), 6.0))
+    # another mode passes straight through, capturing nothing
+    with set_forward_context(_context(PIECEWISE, d4)):
+        assert torch.equal(w(torch.ones(2)), torch.full((2,), 2.0))
+    assert graphs.captures == 1
+    # an unknown descriptor outside the load-time capture session is an error, not a capture
+    with set_forward_context(_context(FULL, BatchDescriptor(8, 8, True))), pytest.raises(RuntimeError, match="no FULL"):
+        w(torch.ones(8))
+
+
+def test_wrapper_detects_inputs_that_moved_since_capture() -> None:
+    graphs = RerunGraphs()
+    w = CUDAGraphWrapper(lambda x: x + 1, PIECEWISE, graphs, graphs.new_pool(), check_addresses=True)
+    d = BatchDescriptor(2, None, False)
+    with set_forward_context(_context(PIECEWISE, d)):
+        with capture_session():
+            w(torch.zeros(2))
+        with pytest.raises(RuntimeError, match="moved since capture"):
+            w(torch.zeros(2))
+
+
+def test_wrapper_mode_must_be_full_or_piecewise() -> None:
+    with pytest.raises(ValueError, match="FULL or PIECEWISE"):
+        CUDAGraphWrapper(lambda: None, F_AND_P, RerunGraphs(), None)
+
+
+# ----------------------------------------------------------------- CPU runtime
+
+
+def test_graph_modes_resolve_to_none_on_cpu(llama_checkpoint, caplog) -> None:
+    path, model = llama_checkpoint
+    prompts = random_prompts(3, [4, 9, 15], model.config.vocab_size, seed=7)
+    expected = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    config = CompilationConfig(level=2, cudagraph_mode="FULL_AND_PIECEWISE")
+    with caplog.at_level("INFO", logger="kiln.config"):
+        resolved = config.resolve(device_type="cpu", max_num_seqs=4, max_num_batched_tokens=64)
+    assert resolved.cudagraph_mode is NONE
+    assert sum("resolves to NONE" in r.getMessage() for r in caplog.records) == 1
+    rt = Runtime.load(path, optimization_level=2, compile_sizes=[1, 2, 4], cudagraph_mode="FULL_AND_PIECEWISE")
+    assert rt.startup_report["cudagraph_mode"] == "NONE"
+    assert rt.startup_report["cudagraphs_captured"] == 0
+    assert [o.token_ids for o in rt.generate(prompts, GREEDY)] == expected
+    assert [o.token_ids for o in load_eager(path).generate(prompts, GREEDY)] == expected
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_emulated_graphs_generate_the_eager_tokens(llama_checkpoint, backend: str) -> None:
+    """FULL_AND_PIECEWISE with graphs emulated on CPU: the torch backend runs
+    PIECEWISE only (it declares no FULL support), Triton gets FULL decode graphs
+    with padded request rows. Tokens must equal -O0's."""
+    path, model = llama_checkpoint
+    prompts = random_prompts(3, [4, 13, 22], model.config.vocab_size, seed=2)
+    expected = [o.token_ids for o in load_eager(path).generate(prompts, GREEDY)]
+    assert expected == [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+
+    rt = Runtime.load(path, optimization_level=2, compile_sizes=[1, 2, 4], attention_backend=backend,
+                      max_num_batched_tokens=8, max_num_seqs=4)
+    runner = rt.runner
+    d = CUDAGraphDispatcher(F_AND_P, [1, 2, 4, 8], support=rt.attention_backend.cudagraph_support,
+                            has_pieces=True, max_num_seqs=4)
+    graphs = RerunGraphs()
+    runner.install_cuda_graphs(d, graphs, check_addresses=True)
+    report = runner.capture_graphs(progress=False)
+    assert report.graphs == len(d.capture_plan()) == (8 if backend == "triton" else 4)
+
+    padded = []
+    pad = runner._pad
+
+    def spy(meta, dispatch):
+        padded.append((meta.num_actual_tokens, dispatch.mode, dispatch.num_tokens, dispatch.descriptor.num_reqs))
+        return pad(meta, dispatch)
+
+    runner._pad = spy
+    before = graphs.replays
+    assert [o.token_ids for o in rt.generate(prompts, GREEDY)] == expected
+    assert graphs.replays > before
+    # the decode steps of 3 requests ran padded to 4 tokens (and, FULL, to 4 requests)
+    if backend == "triton":
+        assert (3, FULL, 4, 4) in padded
+    else:
+        assert (3, PIECEWISE, 4, None) in padded
+        assert all(mode is PIECEWISE for _, mode, _, _ in padded)
+    # chunked prefill under the 8-token budget left some mixed steps to pad as well
+    assert any(n < t and mode is PIECEWISE for n, mode, t, _ in padded)
+
+
+# ----------------------------------------------------------------- GPU
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+GPU_FAMILIES = {
+    "llama": {},
+    "mistral": {"head_dim": 32, "sliding_window": 8},
+    "qwen2": {"num_key_value_heads": 1, "tie_word_embeddings": True},
+    "qwen3": {"head_dim": 32},
+}
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("family", sorted(GPU_FAMILIES))
+def test_gpu_graph_modes_match_eager(family: str, dtype: str, tmp_path) -> None:
+    model = build_hf_model(family, seed=zlib.crc32(family.encode()) % 1000, **GPU_FAMILIES[family])
+    path = save_checkpoint(model, tmp_path / family)
+    # 3 requests: decode steps pad 3 -> 4 tokens; a 10-token budget chunks the prefills
+    prompts = random_prompts(3, [5, 17, 26], model.config.vocab_size, seed=3)
+    common = dict(device="cuda", dtype=dtype, max_num_batched_tokens=10, max_num_seqs=4)
+    expected = [o.token_ids for o in Runtime.load(path, optimization_level=0, **common).generate(prompts, GREEDY)]
+    for mode in ("NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE"):
+        rt = Runtime.load(path, optimization_level=1, cudagraph_mode=mode, **common)
+        report = rt.startup_report
+        assert report["cudagraph_mode"] == mode
+        assert (report["cudagraphs_captured"] > 0) == (mode != "NONE")
+        got = [o.token_ids for o in rt.generate(prompts, GREEDY)]
+        assert got == expected, f"{family} {dtype} {mode}"
