@@ -64,7 +64,9 @@ def test_startup_report_counts(compiled_llama) -> None:
     assert r["dynamo_traces"] == 1
     assert r["pieces"] == layers + 1  # compute pieces between the layers' attention calls
     assert r["unique_pieces"] == 3  # first, middle (shared by every layer), last
-    assert r["inductor_compiles"] == r["unique_pieces"] * (1 + 3)  # range + three exact sizes
+    # range + three exact sizes per unique piece, and the CPU LM head at each exact size
+    assert r["inductor_compiles"] == r["unique_pieces"] * (1 + 3) + 3
+    assert sorted(rt.compiled.logits_heads) == [1, 2, 4]
     assert len(r["compile_seconds"]) == r["inductor_compiles"]
     for phase in ("load_weights", "trace", "split", "compile"):
         assert r["phases"][phase] >= 0
@@ -127,7 +129,7 @@ def test_explicit_settings_survive_every_level(level) -> None:
 def test_user_compile_sizes_reach_the_runtime(llama_checkpoint) -> None:
     rt = Runtime.load(llama_checkpoint[0], optimization_level=1, compile_sizes=[2])
     assert rt.startup_report["compilation"]["compile_sizes"] == [2]
-    assert rt.startup_report["inductor_compiles"] == 3 * 2
+    assert rt.startup_report["inductor_compiles"] == 3 * 2 + 1  # + the LM head at 2 rows
     assert all(sorted(b.exact) == [2] for b in rt.compiled.backends.values())
 
 

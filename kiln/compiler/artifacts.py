@@ -58,8 +58,13 @@ def save_compiled(entry: Path, compiled: CompiledModel, pristine_graph: bytes, h
             fn.save(path=str(entry / rel), format="binary")
             info["exact"][str(n)] = rel
         backends[sig] = info
+    heads: dict[str, str] = {}
+    for n, fn in sorted(compiled.logits_heads.items()):
+        heads[str(n)] = _artifact_path("logits-head", n)
+        fn.save(path=str(entry / heads[str(n)]), format="binary")
     manifest = {
         **header,
+        "logits_heads": heads,
         "format": ENTRY_FORMAT,
         "graph": GRAPH_FILE,
         "inputs": [[g.kind, g.name] for g in compiled.inputs],
@@ -103,7 +108,9 @@ def load_compiled(
                 b.exact[int(n)] = _load_artifact(entry / rel)
                 loaded += 1
             backends[sig] = b
-    return CompiledModel(module, inputs, model, backends, dict(manifest["pieces"])), loaded
+        heads = {int(n): _load_artifact(entry / rel) for n, rel in manifest.get("logits_heads", {}).items()}
+        loaded += len(heads)
+    return CompiledModel(module, inputs, model, backends, dict(manifest["pieces"]), heads), loaded
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import torch
 from torch import fx, nn
 
 from kiln.compiler.capture import CapturedGraph, GraphInput, capture
-from kiln.compiler.gemv import CPU_GEMV_MAX_TOKENS, decompose_linears
+from kiln.compiler.gemv import CPU_GEMV_MAX_TOKENS, decompose_linears, logits_head_graph
 from kiln.compiler.piecewise import PiecewiseBackend, inductor_compile, token_arg
 from kiln.compiler.split import SplitGraph, bind_eager_implementations, split_graph
 from kiln.config import CompilationConfig
@@ -64,8 +64,12 @@ class CompiledModel:
     parameters in the order the trace recorded them."""
 
     def __init__(self, module: fx.GraphModule, inputs: list[GraphInput], model: nn.Module,
-                 backends: dict[str, PiecewiseBackend], piece_signatures: dict[str, str]) -> None:
+                 backends: dict[str, PiecewiseBackend], piece_signatures: dict[str, str],
+                 logits_heads: dict[int, Callable[..., Any]] | None = None) -> None:
         self.module = module
+        self.model = model
+        # compiled LM heads by number of rows (CPU, small counts); others run eagerly
+        self.logits_heads = dict(logits_heads or {})
         self.inputs = inputs
         self.backends = backends
         self.piece_signatures = piece_signatures  # submodule name -> backend signature
@@ -83,6 +87,12 @@ class CompiledModel:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         out = self.module(*self.arguments(input_ids, positions))
         return out[0] if isinstance(out, (tuple, list)) else out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.logits_heads.get(hidden.shape[0])
+        if head is None:
+            return self.model.compute_logits(hidden)
+        return head(hidden, self.model.logits_weight())[0]
 
 
 def _record_piece_inputs(
@@ -156,7 +166,10 @@ def compile_model(
     def example_args(n: int) -> list[Any]:
         return bind(torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, dtype=torch.long, device=device))
 
-    total = len(representatives) * (1 + len(sizes))
+    head_sizes = [n for n in sizes if n <= CPU_GEMV_MAX_TOKENS] if device.type == "cpu" else []
+    weight = model.logits_weight()
+    logits_heads: dict[int, Any] = {}
+    total = len(representatives) * (1 + len(sizes)) + len(head_sizes)
     with Progress(total, "compiling", enabled=progress) as bar:
         for sig, piece in representatives.items():
             fakes = [n.meta["example_value"] for n in piece.graph_module.graph.nodes if n.op == "placeholder"]
@@ -178,6 +191,14 @@ def compile_model(
                 stats.compile_seconds[label] = round(time.perf_counter() - ts, 4)
                 stats.inductor_compiles += 1
                 bar.update(label)
+        for n in head_sizes:
+            ts = time.perf_counter()
+            hidden = torch.zeros(n, weight.shape[1], dtype=weight.dtype, device=device)
+            logits_heads[n] = inductor_compile(logits_head_graph(), [hidden, weight], dynamic=False, options=options)
+            label = f"logits head [{n}]"
+            stats.compile_seconds[label] = round(time.perf_counter() - ts, 4)
+            stats.inductor_compiles += 1
+            bar.update(label)
     stats.phases["compile"] = round(time.perf_counter() - t2, 4)
     logger.info(
         "compiled %d pieces (%d unique) x %d buckets: %d Inductor compilations in %.1fs",
@@ -186,4 +207,4 @@ def compile_model(
     if eager_impls:
         bind_eager_implementations(split.module, eager_impls)
     signatures = {p.name: p.signature for p in compute}
-    return CompiledModel(split.module, captured.inputs, model, backends, signatures), stats, pristine
+    return CompiledModel(split.module, captured.inputs, model, backends, signatures, logits_heads), stats, pristine

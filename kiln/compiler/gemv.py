@@ -8,7 +8,9 @@ fp32 [49152, 576] weight took 7.7 ms through ``mm`` and 4.0 ms as the reduction
 across threads (bench/results notes). So exact-size pieces at small token counts
 have their ``linear`` calls rewritten into that form before Inductor sees them.
 The range runnable and larger sizes keep ``mm``, which wins once several rows
-share each weight load.
+share each weight load. The LM head, the largest matrix of a small model, runs
+outside the traced graph; ``logits_head_graph`` is its reduction form, compiled
+per number of sampled rows.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import copy
 import torch
 from torch import fx
 
-__all__ = ["CPU_GEMV_MAX_TOKENS", "decompose_linears"]
+__all__ = ["CPU_GEMV_MAX_TOKENS", "decompose_linears", "logits_head_graph"]
 
 # Token counts up to which exact-size CPU pieces use the reduction form. Measured:
 # at 4 tokens it still beat mm on every layer shape of a 135M model; at 8 it did not.
@@ -51,3 +53,15 @@ def decompose_linears(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
     new = fx.GraphModule(gm, graph)
     new.recompile()
     return new, rewritten
+
+
+# Unannotated on purpose: symbolic_trace copies annotations into the generated code,
+# and Inductor's cache key cannot pickle the generic alias of the return type.
+def _logits_head(hidden, weight):  # noqa: ANN001, ANN202
+    return (torch.sum(torch.mul(torch.unsqueeze(hidden, -2), weight), -1),)
+
+
+def logits_head_graph() -> fx.GraphModule:
+    """``(hidden [S, H], weight [V, H]) -> (logits [S, V],)`` as a reduction,
+    written with ``torch.*`` calls so that Inductor's caches can serialise it."""
+    return fx.symbolic_trace(_logits_head)

@@ -163,6 +163,9 @@ class DecoderModel(nn.Module):
             h = layer(h, positions, self.rotary)
         return self.norm(h)
 
+    def logits_weight(self) -> torch.Tensor:
+        """The LM head's weight: the embedding's when they are tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return F.linear(hidden, self.logits_weight())

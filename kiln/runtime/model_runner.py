@@ -90,6 +90,8 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.attention_backend = attention_backend
+        # the compiled model's LM head when it has one (CPU GEMV form), else the model's
+        self.compute_logits = getattr(forward, "compute_logits", model.compute_logits)
         # the compiled model when there is one; ``model`` stays for its lm_head
         self.forward = forward or model
         self.kv_caches = kv_caches
@@ -176,7 +178,7 @@ class ModelRunner:
         self.last_dispatch = dispatch
         t1 = time.perf_counter()
         hidden = self._run(meta, dispatch)
-        logits = self.model.compute_logits(hidden[self.logits_indices.device[:num_samples]])
+        logits = self.compute_logits(hidden[self.logits_indices.device[:num_samples]])
         t2 = time.perf_counter()
         sampling = [s for s in sched.scheduled if s.samples]
         tokens = self.sampler(
