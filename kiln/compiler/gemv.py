@@ -24,7 +24,7 @@ __all__ = ["CPU_GEMV_MAX_TOKENS", "decompose_linears", "logits_head_graph"]
 
 # Token counts up to which exact-size CPU pieces use the reduction form. Measured
 # on a quiet 2-core machine with a 135M model's shapes: at 1, 2 and 4 tokens the
-# reduction was 1.3-2x faster than mm on the QKV, gate/up and LM-head weights and
+# reduction was 1.25-2x faster than mm on the QKV, gate/up and LM-head weights and
 # tied on the down projection. Larger counts were not measured quietly; they keep mm.
 CPU_GEMV_MAX_TOKENS = 4
 
