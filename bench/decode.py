@@ -730,20 +730,19 @@ class TransformersEngine(Engine):
         del self.model
 
 
-class TransformersCompiledEngine(TransformersEngine):
-    """transformers ``generate`` with a static KV cache under ``torch.compile``:
-    transformers' own recipe for fast decoding (see :func:`setup_static_compile`).
-    Its warm-up pays the compilation, reported as ``compile_seconds``."""
+class _StaticCompileMixin:
+    """What the compiled transformers baselines share: a static KV cache under
+    ``torch.compile`` (:func:`setup_static_compile`), compiled during warm-up and
+    reported as ``compile_seconds`` with Dynamo's counters."""
 
     engine = "transformers-compiled"
 
-    def __init__(self, model_path: Path, prompt: list[int], settings: BenchSettings) -> None:
-        super().__init__(model_path, prompt, settings)
+    def _setup_compile(self, settings: BenchSettings, what: str) -> None:
         self.compiled = setup_static_compile(self.model, settings.device)
-        self.label = (f"generate, static cache, torch.compile, {self.attn_implementation}"
-                      if not settings.device.startswith("cuda") else
-                      f"generate, static cache, auto-compile (reduce-overhead), {self.attn_implementation}")
-        if settings.device.startswith("cuda"):
+        cuda = settings.device.startswith("cuda")
+        how = "auto-compile (reduce-overhead)" if cuda else "torch.compile"
+        self.label = f"{what}, static cache, {how}, {self.attn_implementation}"
+        if cuda:
             # generate itself runs under no_grad: its compiled (CUDA graph) decode path is
             # used as transformers uses it, not under inference mode
             self.grad_mode = torch.no_grad
@@ -751,11 +750,11 @@ class TransformersCompiledEngine(TransformersEngine):
 
     def warmup(self) -> None:
         before = dynamo_counters()
-        super().warmup()
+        super().warmup()  # type: ignore[misc]
         self.compile_counters = compile_counters(before, dynamo_counters())
 
     def summary(self, runs: list[dict[str, Any]]) -> dict[str, Any]:
-        result = super().summary(runs)
+        result = super().summary(runs)  # type: ignore[misc]
         result["torch_compile"] = True
         result["compile_seconds"] = self.warmup_seconds
         result["compile_counters"] = self.compile_counters
@@ -763,6 +762,15 @@ class TransformersCompiledEngine(TransformersEngine):
             result["compiled"] = self.compiled
             result["decode_step_compiled"] = auto_compiled(self.model)
         return result
+
+
+class TransformersCompiledEngine(_StaticCompileMixin, TransformersEngine):
+    """transformers ``generate`` with a static KV cache under ``torch.compile``:
+    transformers' own recipe for fast decoding."""
+
+    def __init__(self, model_path: Path, prompt: list[int], settings: BenchSettings) -> None:
+        super().__init__(model_path, prompt, settings)
+        self._setup_compile(settings, "generate")
 
 
 # name -> constructor (model_path, prompt, settings) of a batch-1 baseline engine
@@ -946,38 +954,13 @@ class TransformersThroughputEngine(Engine):
         del self.model
 
 
-class TransformersCompiledThroughputEngine(TransformersThroughputEngine):
+class TransformersCompiledThroughputEngine(_StaticCompileMixin, TransformersThroughputEngine):
     """As :class:`TransformersThroughputEngine`, with a static cache and
-    ``torch.compile`` (:func:`setup_static_compile`); the warm-up compiles."""
-
-    engine = "transformers-compiled"
+    ``torch.compile``; the warm-up compiles."""
 
     def __init__(self, model_path: Path, prompts: list[list[int]], settings: BenchSettings) -> None:
         super().__init__(model_path, prompts, settings)
-        self.compiled = setup_static_compile(self.model, settings.device)
-        self.label = (f"batched generate, static cache, torch.compile, {self.attn_implementation}"
-                      if not settings.device.startswith("cuda") else
-                      f"batched generate, static cache, auto-compile (reduce-overhead), {self.attn_implementation}")
-        if settings.device.startswith("cuda"):
-            self.grad_mode = torch.no_grad
-        self.compile_counters: dict[str, Any] = {}
-
-    def warmup(self) -> None:
-        before = dynamo_counters()
-        super().warmup()
-        self.compile_counters = compile_counters(before, dynamo_counters())
-
-    def summary(self, runs: list[dict[str, Any]]) -> dict[str, Any]:
-        result = super().summary(runs)
-        result["torch_compile"] = True
-        result["compile_seconds"] = self.warmup_seconds
-        result["compile_counters"] = self.compile_counters
-        if self.device.startswith("cuda"):
-            result["compiled"] = self.compiled
-            result["decode_step_compiled"] = auto_compiled(self.model)
-        return result
-
-
+        self._setup_compile(settings, "batched generate")
 # name -> constructor (model_path, prompts, settings) of a throughput baseline engine
 THROUGHPUT_BASELINES: dict[str, Callable[[Path, list[list[int]], BenchSettings], Engine]] = {
     "transformers": TransformersThroughputEngine,
