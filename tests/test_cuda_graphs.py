@@ -118,6 +118,12 @@ def test_capture_plan_is_largest_first_and_covers_every_dispatch() -> None:
         got = d.dispatch(n, r, uniform)
         assert (got.mode, got.descriptor) in keys
     assert dispatcher(NONE).capture_plan() == []
+    # uniform decode never exceeds max_num_seqs tokens: no FULL decode graphs above the
+    # first size that holds them
+    few_seqs = dispatcher(F_AND_P, sizes=[1, 2, 4, 8, 16], max_num_seqs=3)
+    assert [p.num_tokens for p in few_seqs.capture_plan() if p.mode is FULL] == [4, 2, 1]
+    full_keys = {p.descriptor for p in few_seqs.capture_plan() if p.mode is FULL}
+    assert all(few_seqs.dispatch(n, n, True).descriptor in full_keys for n in (1, 2, 3))
     assert len(dispatcher(FULL, ALWAYS, sizes=[1, 2]).capture_plan()) == 4  # uniform and mixed per size
 
 
@@ -258,7 +264,7 @@ def test_emulated_graphs_generate_the_eager_tokens(llama_checkpoint, backend: st
     graphs = RerunGraphs()
     runner.install_cuda_graphs(d, graphs, check_addresses=True)
     report = runner.capture_graphs(progress=False)
-    assert report.graphs == len(d.capture_plan()) == (8 if backend == "triton" else 4)
+    assert report.graphs == len(d.capture_plan()) == (7 if backend == "triton" else 4)  # FULL decode at 1, 2, 4
 
     padded = []
     pad = runner._pad

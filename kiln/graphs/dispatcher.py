@@ -135,16 +135,22 @@ class CUDAGraphDispatcher:
         return BatchDescriptor(num_tokens, reqs, uniform)
 
     def capture_plan(self) -> list[Dispatch]:
-        """Every (mode, descriptor) graphs are captured for, largest first."""
+        """Every (mode, descriptor) graphs are captured for, largest first.
+
+        A uniform decode batch has at most ``max_num_seqs`` tokens, so its FULL
+        graphs stop at the first capture size that holds that many."""
         plan: list[Dispatch] = []
+        decode_limit = self.padded(self.max_num_seqs) or self.max_capture_size
         for size in reversed(self.capture_sizes):
             if self.mode is CUDAGraphMode.NONE:
                 break
+            decode = size <= decode_limit
             if self.mode is CUDAGraphMode.FULL:
-                plan.append(Dispatch(CUDAGraphMode.FULL, self.full_descriptor(size, True)))
+                if decode:
+                    plan.append(Dispatch(CUDAGraphMode.FULL, self.full_descriptor(size, True)))
                 if self.support is CUDAGraphSupport.ALWAYS:
                     plan.append(Dispatch(CUDAGraphMode.FULL, self.full_descriptor(size, False)))
-            elif self.mode in (CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY):
+            elif self.mode in (CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY) and decode:
                 plan.append(Dispatch(CUDAGraphMode.FULL, self.full_descriptor(size, True)))
             if self._piecewise_allowed():
                 plan.append(Dispatch(CUDAGraphMode.PIECEWISE, BatchDescriptor(size, None, False)))
