@@ -149,8 +149,9 @@ class Runtime:
         compiled at. ``cache_dir`` holds compiled entries (default: kiln's cache
         directory). ``attention_backend`` is ``"auto"`` (Triton on CUDA, torch
         elsewhere), ``"torch"`` or ``"triton"``; left as ``None`` it comes from
-        ``KILN_ATTENTION_BACKEND``, else ``"auto"``. ``overrides`` take engine fields (``kv_cache_memory_bytes``,
-        ``gpu_memory_utilization``, ``seed``), compilation fields
+        ``KILN_ATTENTION_BACKEND``, else ``"auto"``. ``overrides`` take engine
+        fields (``kv_cache_memory_bytes``, ``gpu_memory_utilization``,
+        ``seed``), compilation fields
         (``compile_sizes``, ``cudagraph_mode``, ...), ``on_mismatch``
         (``"error"``, the default, or ``"recompile"``: what to do with a bundle
         built for another torch, kiln, device or config) and ``weights_path``
