@@ -360,8 +360,8 @@ class Engine(abc.ABC):
     """One configuration being measured: loaded when built, warmed up once, then
     timed one run at a time so that several engines can take turns.
 
-    Subclasses set ``engine`` and ``label`` and implement ``warmup``, ``run_once``
-    and ``summary``. ``summary`` returns the engine's result: a dict holding at
+    Subclasses set ``engine`` and ``label`` and implement ``run_once`` and
+    ``summary``; ``warmup`` defaults to one untimed ``run_once``. ``summary`` returns the engine's result: a dict holding at
     least ``engine``, ``label``, ``decode_tokens_per_s``, ``ms_per_token``,
     ``token_ids`` and ``runs``.
     """
@@ -370,9 +370,14 @@ class Engine(abc.ABC):
     label: str = ""
     rate_key: str = "decode_tokens_per_s"  # the per-run figure the log shows
 
-    @abc.abstractmethod
+    warmup_seconds: float | None = None
+
     def warmup(self) -> None:
-        """Run once untimed (first-call costs: allocation, compilation, caches)."""
+        """Run once untimed (first-call costs: allocation, compilation, caches),
+        keeping its seconds in ``warmup_seconds``."""
+        t0 = time.perf_counter()
+        self.run_once()
+        self.warmup_seconds = time.perf_counter() - t0
 
     @abc.abstractmethod
     def run_once(self) -> dict[str, Any]:
@@ -403,12 +408,6 @@ class KilnEngine(Engine):
                                 max_num_seqs=1)
         self.rt = self.loaded.rt
         self.load_seconds = self.loaded.seconds
-        self.warmup_seconds: float | None = None
-
-    def warmup(self) -> None:
-        t0 = time.perf_counter()
-        self.run_once()
-        self.warmup_seconds = time.perf_counter() - t0
 
     def run_once(self) -> dict[str, Any]:
         """One streamed request, timed per step.
@@ -659,7 +658,6 @@ class TransformersEngine(Engine):
         self.max_tokens = settings.max_tokens
         self.device = settings.device
         self.model, self.load_seconds = load_transformers(model_path, settings)
-        self.warmup_seconds: float | None = None
         self.attn_implementation = self.model.config._attn_implementation
         self.label = f"generate, eager, {self.attn_implementation}"
         self.input_ids = torch.tensor([prompt], dtype=torch.long, device=settings.device)
@@ -832,12 +830,6 @@ class KilnThroughputEngine(Engine):
                                 max_num_seqs=len(prompts))
         self.rt = self.loaded.rt
         self.load_seconds = self.loaded.seconds
-        self.warmup_seconds: float | None = None
-
-    def warmup(self) -> None:
-        t0 = time.perf_counter()
-        self.run_once()
-        self.warmup_seconds = time.perf_counter() - t0
 
     def run_once(self) -> dict[str, Any]:
         from kiln import SamplingParams
@@ -899,18 +891,12 @@ class TransformersThroughputEngine(Engine):
         self.max_tokens = settings.max_tokens
         self.device = settings.device
         self.model, self.load_seconds = load_transformers(model_path, settings)
-        self.warmup_seconds: float | None = None
         self.attn_implementation = self.model.config._attn_implementation
         self.label = f"batched generate, eager, {self.attn_implementation}"
         ids, mask = left_pad(prompts)
         self.input_ids = torch.tensor(ids, dtype=torch.long, device=settings.device)
         self.attention_mask = torch.tensor(mask, dtype=torch.long, device=settings.device)
         self.grad_mode: Callable[[], Any] = torch.inference_mode
-
-    def warmup(self) -> None:
-        t0 = time.perf_counter()
-        self.run_once()
-        self.warmup_seconds = time.perf_counter() - t0
 
     def run_once(self) -> dict[str, Any]:
         n = self.max_tokens

@@ -92,7 +92,7 @@ class ModelRunner:
         self.attention_backend = attention_backend
         # the compiled model's LM head when it has one (CPU GEMV form), else the model's
         self.compute_logits = getattr(forward, "compute_logits", model.compute_logits)
-        # the compiled model when there is one; ``model`` stays for its lm_head
+        # the compiled model when there is one; ``model`` keeps the eager LM head
         self.forward = forward or model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -111,7 +111,6 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.stats = RunnerStats()
         self.dispatcher: CUDAGraphDispatcher | None = None
-        self.last_dispatch: Dispatch | None = None
 
     def _prepare(self, sched: SchedulerOutput) -> tuple[AttentionMetadata, int]:
         num_reqs = len(sched.scheduled)
@@ -175,7 +174,6 @@ class ModelRunner:
         dispatch = self._dispatch(meta)
         if dispatch.num_tokens != n or dispatch.mode is CUDAGraphMode.FULL:
             meta = self._pad(meta, dispatch)
-        self.last_dispatch = dispatch
         t1 = time.perf_counter()
         hidden = self._run(meta, dispatch)
         logits = self.compute_logits(hidden[self.logits_indices.device[:num_samples]])
