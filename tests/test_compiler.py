@@ -61,14 +61,19 @@ def test_startup_report_counts(compiled_llama) -> None:
     r = rt.startup_report
     layers = model.config.num_hidden_layers
     assert r["optimization_level"] == 2
-    assert r["dynamo_traces"] == 1
+    # The session's compile cache is shared: a test that ran earlier (with -k, or in
+    # another order) may have built this entry, and then it is loaded, not compiled.
+    fresh = r["compile_cache"] == "miss"
+    assert r["compile_cache"] in ("miss", "hit")
+    assert r["dynamo_traces"] == (1 if fresh else 0)
     assert r["pieces"] == layers + 1  # compute pieces between the layers' attention calls
     assert r["unique_pieces"] == 3  # first, middle (shared by every layer), last
     # range + three exact sizes per unique piece, and the CPU LM head at each exact size
-    assert r["inductor_compiles"] == r["unique_pieces"] * (1 + 3) + 3
+    artifacts = r["unique_pieces"] * (1 + 3) + 3
+    assert (r["inductor_compiles"], r["artifacts_loaded"]) == ((artifacts, 0) if fresh else (0, artifacts))
     assert sorted(rt.compiled.logits_heads) == [1, 2, 4]
     assert len(r["compile_seconds"]) == r["inductor_compiles"]
-    for phase in ("load_weights", "trace", "split", "compile"):
+    for phase in ("load_weights",) + (("trace", "split", "compile") if fresh else ()):
         assert r["phases"][phase] >= 0
     assert r["cudagraph_mode"] == "NONE"  # CPU
 
