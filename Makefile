@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_CPU := torch==2.13.0
 STAMP := $(VENV)/.kiln-installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -24,10 +24,16 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q tests
 
+# The unit layer: scheduler, block pool, sampler, dispatcher, configs, output
+# processor, checkpoint readers, engine core with a stub model, code shape.
+test-fast: setup
+	$(PY) -m pytest -q tests/unit
+
 bench: setup
 	$(PY) -m bench.decode
 	$(PY) -m bench.compile_scaling
 	$(PY) -m bench.startup
+	$(PY) -m bench.cpu_kernels
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -6,15 +6,17 @@
 """
 
 from kiln.config import CompilationConfig, CUDAGraphMode
-from kiln.runtime import RequestOutput, Runtime, SamplingParams, StreamDelta
-
-__version__ = "0.1.0"
+from kiln.engine import EngineStats, RequestNotFoundError, RequestOutput, SamplingParams, StreamDelta
+from kiln.entrypoints.runtime import Runtime
+from kiln.version import __version__
 
 __all__ = [
     "Runtime",
     "SamplingParams",
     "RequestOutput",
     "StreamDelta",
+    "EngineStats",
+    "RequestNotFoundError",
     "CompilationConfig",
     "CUDAGraphMode",
     "__version__",

@@ -95,7 +95,15 @@ def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> lis
     return sizes
 
 
-@dataclass
+def _sizes(name: str, sizes: Any) -> tuple[int, ...]:
+    if isinstance(sizes, (str, bytes, dict, set)) or not isinstance(sizes, (list, tuple)) or any(
+        isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes
+    ):
+        raise ValueError(f"{name} must be a list of positive token counts, got {sizes!r}")
+    return tuple(sorted(set(sizes)))
+
+
+@dataclass(frozen=True)
 class CompilationConfig:
     """What the compiler does at a given optimization level.
 
@@ -111,35 +119,29 @@ class CompilationConfig:
     """
 
     level: int = DEFAULT_LEVEL
-    compile_sizes: list[int] | None = None
-    splitting_ops: list[str] | None = None
+    compile_sizes: tuple[int, ...] | None = None
+    splitting_ops: tuple[str, ...] | None = None
     inductor_options: dict[str, Any] | None = None
     cudagraph_mode: CUDAGraphMode | None = None
-    cudagraph_capture_sizes: list[int] | None = None
-    # names of the fields the user set (filled by __post_init__, kept by resolve)
-    user_set: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.level, bool) or self.level not in SUPPORTED_LEVELS:
             raise ValueError(
                 f"optimization_level={self.level!r} is not one of {list(SUPPORTED_LEVELS)}"
             )
+        # Normalised in place once, here, before anyone can see the object.
         if self.cudagraph_mode is not None:
-            self.cudagraph_mode = CUDAGraphMode.parse(self.cudagraph_mode)
+            object.__setattr__(self, "cudagraph_mode", CUDAGraphMode.parse(self.cudagraph_mode))
         for name in ("compile_sizes", "cudagraph_capture_sizes"):
-            sizes = getattr(self, name)
-            if sizes is not None:
-                if isinstance(sizes, (str, bytes)) or any(
-                    isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes
-                ):
-                    raise ValueError(f"{name} must be a list of positive token counts, got {sizes!r}")
-                setattr(self, name, sorted(set(sizes)))
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _sizes(name, getattr(self, name)))
+        if self.splitting_ops is not None:
+            if isinstance(self.splitting_ops, str) or not all(isinstance(o, str) for o in self.splitting_ops):
+                raise ValueError(f"splitting_ops must be a list of 'namespace::op' names, got {self.splitting_ops!r}")
+            object.__setattr__(self, "splitting_ops", tuple(self.splitting_ops))
         if self.inductor_options is not None and not isinstance(self.inductor_options, dict):
             raise ValueError(f"inductor_options must be a dict, got {self.inductor_options!r}")
-        if not self.user_set:
-            tunable = ("compile_sizes", "splitting_ops", "inductor_options", "cudagraph_mode",
-                       "cudagraph_capture_sizes")
-            self.user_set = frozenset(f for f in tunable if getattr(self, f) is not None)
 
     def resolve(
         self, *, device_type: str, max_num_seqs: int, max_num_batched_tokens: int
@@ -147,7 +149,6 @@ class CompilationConfig:
         """A copy with every field filled: the user's values, else the level's."""
         d = _LEVEL_DEFAULTS[self.level]
         compile_sizes = self.compile_sizes if self.compile_sizes is not None else d["compile_sizes"]
-        compile_sizes = [s for s in compile_sizes if s <= max_num_batched_tokens]
         mode = self.cudagraph_mode if self.cudagraph_mode is not None else d["cudagraph_mode"]
         if device_type != "cuda" and mode is not CUDAGraphMode.NONE:
             logger.info("CUDA graphs need a GPU: cudagraph_mode %s resolves to NONE on %s", mode.value, device_type)
@@ -155,36 +156,35 @@ class CompilationConfig:
         capture = self.cudagraph_capture_sizes
         if capture is None:
             capture = default_capture_sizes(max_num_seqs, max_num_batched_tokens)
-        capture = [s for s in capture if s <= max_num_batched_tokens]
-        options = {**d["inductor_options"], **(self.inductor_options or {})}
         return CompilationConfig(
             level=self.level,
-            compile_sizes=compile_sizes,
-            splitting_ops=list(self.splitting_ops or DEFAULT_SPLITTING_OPS),
-            inductor_options=options,
+            compile_sizes=tuple(s for s in compile_sizes if s <= max_num_batched_tokens),
+            splitting_ops=tuple(self.splitting_ops or DEFAULT_SPLITTING_OPS),
+            inductor_options={**d["inductor_options"], **(self.inductor_options or {})},
             cudagraph_mode=mode,
-            cudagraph_capture_sizes=capture,
-            user_set=self.user_set,
+            cudagraph_capture_sizes=tuple(s for s in capture if s <= max_num_batched_tokens),
         )
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON form: what the startup report shows and cache keys hash."""
+        def listed(v: tuple[Any, ...] | None) -> list[Any] | None:
+            return None if v is None else list(v)
+
         return {
             "level": self.level,
-            "compile_sizes": self.compile_sizes,
-            "splitting_ops": self.splitting_ops,
+            "compile_sizes": listed(self.compile_sizes),
+            "splitting_ops": listed(self.splitting_ops),
             "inductor_options": self.inductor_options,
             "cudagraph_mode": self.cudagraph_mode.value if self.cudagraph_mode else None,
-            "cudagraph_capture_sizes": self.cudagraph_capture_sizes,
+            "cudagraph_capture_sizes": listed(self.cudagraph_capture_sizes),
         }
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
-    """Sizes of the engine: the scheduler's budgets and the KV cache's shape.
-
-    ``None`` means "derive at load time" (from the checkpoint and the memory
-    budget); ``resolve`` fills them in.
-    """
+    """The engine sizes a user may set: the scheduler's budgets and the KV cache's
+    shape. ``None`` means "derive at load time" from the checkpoint and the memory
+    budget (see ``kiln.engine.config.resolve_config``)."""
 
     max_model_len: int | None = None
     max_num_seqs: int | None = None
@@ -196,19 +196,20 @@ class EngineConfig:
     seed: int = 0
 
     DEFAULT_MAX_NUM_SEQS = 64
+    DEFAULT_MAX_NUM_SEQS_CUDA = 256
     DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
     DEFAULT_BLOCK_SIZE = 16
     # CPU has no fixed accelerator memory; this is what the KV cache takes by default.
     DEFAULT_CPU_KV_BYTES = 2 << 30
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name in ("gpu_memory_utilization", "seed") or value is None:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
-            )
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "num_kv_blocks", "kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        g = self.gpu_memory_utilization
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 < g <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {g!r}")

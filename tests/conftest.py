@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import pytest
 import torch
@@ -133,8 +135,114 @@ def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, to
 
 
 @pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]], list[list[int]]]:
+    """A very small Qwen2 (fast to compile), two prompts, and their -O0 greedy tokens."""
+    from kiln import Runtime, SamplingParams
+
+    model = build_hf_model("qwen2", seed=21, num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                           num_attention_heads=2, num_key_value_heads=1)
+    path = save_checkpoint(model, tmp_path_factory.mktemp("tiny"))
+    prompts = random_prompts(2, [5, 9], model.config.vocab_size, seed=6)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    eager = Runtime.load(path, optimization_level=0).generate(prompts, greedy)
+    return path, prompts, [o.token_ids for o in eager]
+
+
+@pytest.fixture(scope="session")
 def demo_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo model (built once per session in a private cache dir)."""
-    from kiln.demo import ensure_demo_model
+    from kiln.checkpoint.demo import ensure_demo_model
 
     return ensure_demo_model(tmp_path_factory.mktemp("kiln-cache"))
+
+
+class RerunGraphs:
+    """CPU stand-in for torch.cuda graphs: a "capture" keeps the callable and the
+    tensors it was called with, a "replay" calls it again on those same tensors
+    and copies the result into the captured output. That keeps what matters
+    about a real graph (it reads the inputs it was captured with, and hands back
+    the captured output tensors); it cannot show that kernels avoid host-side
+    values, which only a GPU can."""
+
+    def __init__(self) -> None:
+        self.captures = 0
+        self.replays = 0
+
+    def new_pool(self) -> object:
+        return object()
+
+    def capture(self, fn: Callable[[], Any], pool: object) -> tuple[Any, Any]:
+        self.captures += 1
+        out = fn()
+        return (fn, out), out
+
+    def replay(self, graph: Any) -> None:
+        self.replays += 1
+        fn, out = graph
+        _copy_into(out, fn())
+
+
+def _copy_into(dst: Any, src: Any) -> None:
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, (tuple, list)):
+        for d, s in zip(dst, src):
+            _copy_into(d, s)
+
+
+# ----------------------------------------------------------------- child processes
+CHILD = r"""
+import json, sys
+from kiln import Runtime, SamplingParams
+rt = Runtime.load(sys.argv[1], **json.loads(sys.argv[2]))
+out = rt.generate(json.loads(sys.argv[3]), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+r = rt.startup_report
+keys = ("dynamo_traces", "inductor_compiles", "artifacts_loaded", "compile_cache", "kernels_rebuilt")
+print(json.dumps({"tokens": [o.token_ids for o in out], **{k: r[k] for k in keys}}))
+"""
+
+
+def fresh_env(root: Path, failing_compilers_log: Path | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a machine that never ran kiln or Inductor: HOME, TMPDIR,
+    XDG_CACHE_HOME and TORCHINDUCTOR_CACHE_DIR in new empty directories under
+    ``root``. With ``failing_compilers_log``, C and C++ compilers on PATH (and
+    CC, CXX) log every call there and fail it."""
+    env = dict(os.environ)
+    for name in ("HOME", "TMPDIR", "XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR"):
+        (root / name.lower()).mkdir(parents=True, exist_ok=True)
+        env[name] = str(root / name.lower())
+    env.pop("TRITON_CACHE_DIR", None)
+    if failing_compilers_log is not None:
+        shims = root / "shims"
+        shims.mkdir(exist_ok=True)
+        for name in ("gcc", "g++", "cc", "c++", "clang", "clang++"):
+            shim = shims / name
+            shim.write_text(f'#!/bin/sh\necho "{name} $*" >> "{failing_compilers_log}"\nexit 1\n')
+            shim.chmod(0o755)
+        env.update(PATH=f"{shims}{os.pathsep}{env['PATH']}", CC=str(shims / "gcc"), CXX=str(shims / "g++"))
+    env.update(extra)
+    return env
+
+
+def run_child(target: Path | str, load: dict[str, Any], prompts: list[list[int]], env: dict[str, str] | None = None,
+              read_only: tuple[Path, Path] | None = None) -> dict[str, Any]:
+    """Load ``target`` in a new process, generate 6 greedy tokens per prompt,
+    and return the tokens and the startup report's counts. ``read_only``:
+    (directory, mount point): the directory is bind-mounted read-only at the
+    mount point first, in a private mount namespace (root ignores file modes)."""
+    argv = [sys.executable, "-c", CHILD, str(target), json.dumps(load), json.dumps(prompts)]
+    if read_only is not None:
+        src, mount = read_only
+        mount.mkdir(parents=True, exist_ok=True)
+        quoted = " ".join(f"'{a}'" for a in argv)
+        argv = ["unshare", "-m", "sh", "-c", f'mount --bind -o ro "{src}" "{mount}" && exec {quoted}']
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["stderr"] = proc.stderr
+    return result
+
+
+def kiln_cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kiln", *args], capture_output=True, text=True,
+                          env=env or dict(os.environ), timeout=900)

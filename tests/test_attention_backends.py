@@ -15,12 +15,9 @@ import torch
 
 from kiln import SamplingParams
 from kiln.config import CUDAGraphSupport
-from kiln.kernels.backends import (
-    TorchAttentionBackend,
-    TritonAttentionBackend,
-    get_attention_backend,
-    resolve_attention_backend,
-)
+from kiln.attention.backend import create_attention_backend, resolve_attention_backend
+from kiln.attention.torch_backend import TorchAttentionBackend
+from kiln.attention.triton_backend import TritonAttentionBackend
 from tests.conftest import build_hf_model, hf_greedy, load_eager, random_prompts, save_checkpoint
 
 CPU = torch.device("cpu")
@@ -66,9 +63,9 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) ->
 def test_backends_declare_cuda_graph_support() -> None:
     assert TorchAttentionBackend.cudagraph_support is CUDAGraphSupport.NEVER
     assert TritonAttentionBackend.cudagraph_support is CUDAGraphSupport.ALWAYS
-    assert get_attention_backend("torch").name == "torch"
+    assert create_attention_backend("torch").name == "torch"
     with pytest.raises(ValueError, match="no attention backend 'auto'"):
-        get_attention_backend("auto")
+        create_attention_backend("auto")
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -83,11 +80,11 @@ def test_triton_backend_generates_what_transformers_does(family: str, tmp_path) 
     assert rt.startup_report["attention_backend"] == "triton"
     outs = rt.generate(prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected
-    assert rt.scheduler.num_preemptions == 0
+    assert rt.engine.scheduler.num_preemptions == 0
 
 
 def test_startup_report_names_the_torch_backend(llama_checkpoint) -> None:
     path, _ = llama_checkpoint
     rt = load_eager(path, attention_backend="torch")
     assert rt.startup_report["attention_backend"] == "torch"
-    assert isinstance(rt.runner.attention_backend, TorchAttentionBackend)
+    assert isinstance(rt.engine.runner.attention_backend, TorchAttentionBackend)

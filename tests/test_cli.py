@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from kiln.demo import ensure_demo_model
+from kiln.checkpoint.demo import ensure_demo_model
 
 
 def _kiln(args: list[str], cache: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "KILN_CACHE_DIR": str(cache)}
     return subprocess.run(
-        [sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, "-m", "kiln", *args], capture_output=True, text=True, env=env, timeout=600
     )
 
 
@@ -49,3 +50,22 @@ def test_demo_model_is_deterministic_and_reused(tmp_path: Path, demo_tokenizer_d
     mtime = (again / "model.safetensors").stat().st_mtime_ns
     assert ensure_demo_model(tmp_path) == again
     assert (again / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_flags_are_checked_before_loading(tmp_path: Path) -> None:
+    proc = _kiln(["generate", "--model", str(tmp_path / "nope"), "--max-tokens", "-1"], tmp_path)
+    assert proc.returncode == 2
+    assert "--max-tokens must be an integer >= 1, got -1" in proc.stderr
+    assert "does not exist" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_bad_config_value_is_one_line_naming_file_and_field(llama_checkpoint, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(llama_checkpoint[0], broken)
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["num_attention_heads"] = "four"
+    (broken / "config.json").write_text(json.dumps(cfg))
+    proc = _kiln(["generate", "--model", str(broken), "-O0"], tmp_path)
+    assert proc.returncode == 2
+    assert f"{broken / 'config.json'}: field 'num_attention_heads' must be an integer" in proc.stderr
+    assert "Traceback" not in proc.stderr and "tokenizer" not in proc.stderr

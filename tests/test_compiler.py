@@ -46,7 +46,7 @@ def test_levels_match_eager_and_transformers(family_case, level) -> None:
     tight = Runtime.load(path, optimization_level=level, max_num_batched_tokens=8, num_kv_blocks=10,
                          block_size=4, max_num_seqs=3)
     assert [o.token_ids for o in tight.generate(prompts, GREEDY)] == expected
-    assert tight.scheduler.num_preemptions > 0
+    assert tight.engine.scheduler.num_preemptions > 0
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_startup_report_counts(compiled_llama) -> None:
     # range + three exact sizes per unique piece, and the CPU LM head at each exact size
     artifacts = r["unique_pieces"] * (1 + 3) + 3
     assert (r["inductor_compiles"], r["artifacts_loaded"]) == ((artifacts, 0) if fresh else (0, artifacts))
-    assert sorted(rt.compiled.logits_heads) == [1, 2, 4]
+    assert sorted(rt.compiled.model.logits_heads) == [1, 2, 4]
     assert len(r["compile_seconds"]) == r["inductor_compiles"]
     for phase in ("load_weights",) + (("trace", "split", "compile") if fresh else ()):
         assert r["phases"][phase] >= 0
@@ -91,7 +91,7 @@ def test_decode_steps_cause_no_new_trace(compiled_llama) -> None:
 
 def test_dispatch_prefers_exact_size_then_range(compiled_llama) -> None:
     rt, model = compiled_llama
-    backends = list(rt.compiled.backends.values())
+    backends = list(rt.compiled.model.pieces.values())
     vocab = model.config.vocab_size
     rid = rt.add_request(random_prompts(1, [3], vocab, seed=4)[0], GREEDY)
     rt.step()  # prefill of 3 tokens: no exact runnable for 3
@@ -114,28 +114,11 @@ def test_dispatch_prefers_exact_size_then_range(compiled_llama) -> None:
         backend.select(0)
 
 
-@pytest.mark.parametrize("level", [0, 1, 2, 3])
-def test_explicit_settings_survive_every_level(level) -> None:
-    cfg = CompilationConfig(level=level, compile_sizes=[3, 5], cudagraph_mode="PIECEWISE",
-                            inductor_options={"max_autotune": False}, cudagraph_capture_sizes=[1, 2])
-    resolved = cfg.resolve(device_type="cuda", max_num_seqs=8, max_num_batched_tokens=64)
-    assert resolved.compile_sizes == [3, 5]
-    assert resolved.cudagraph_mode is CUDAGraphMode.PIECEWISE
-    assert resolved.cudagraph_capture_sizes == [1, 2]
-    assert resolved.inductor_options == {"max_autotune": False}
-    defaults = CompilationConfig(level=level).resolve(device_type="cuda", max_num_seqs=8, max_num_batched_tokens=64)
-    assert defaults.compile_sizes == {0: [], 1: [], 2: [1, 2, 4, 8], 3: [1, 2, 4, 8]}[level]
-    assert defaults.cudagraph_capture_sizes == [1, 2, 4, 8, 16]
-    assert defaults.inductor_options.get("max_autotune", False) == (level == 3)
-    on_cpu = cfg.resolve(device_type="cpu", max_num_seqs=8, max_num_batched_tokens=64)
-    assert on_cpu.cudagraph_mode is CUDAGraphMode.NONE and on_cpu.compile_sizes == [3, 5]
-
-
 def test_user_compile_sizes_reach_the_runtime(llama_checkpoint) -> None:
     rt = Runtime.load(llama_checkpoint[0], optimization_level=1, compile_sizes=[2])
     assert rt.startup_report["compilation"]["compile_sizes"] == [2]
     assert rt.startup_report["inductor_compiles"] == 3 * 2 + 1  # + the LM head at 2 rows
-    assert all(sorted(b.exact) == [2] for b in rt.compiled.backends.values())
+    assert all(sorted(b.exact) == [2] for b in rt.compiled.model.pieces.values())
 
 
 def test_compilations_do_not_grow_with_depth(tmp_path) -> None:

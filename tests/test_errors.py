@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from kiln import Runtime, SamplingParams
 from tests.conftest import load_eager
-from kiln.runtime.model_config import CheckpointError
+from kiln.checkpoint import CheckpointError
 
 
 @pytest.fixture()
@@ -117,7 +117,7 @@ def test_generate_validates_everything_before_scheduling(rt: Runtime, prompts, p
     with pytest.raises(ValueError, match=match):
         rt.generate(prompts, params)
     assert not rt.has_unfinished()  # nothing was queued
-    assert rt.pool.num_free == rt.pool.num_blocks
+    assert rt.engine.scheduler.pool.num_free == rt.engine.scheduler.pool.num_blocks
 
 
 def test_text_prompt_without_tokenizer(rt: Runtime) -> None:

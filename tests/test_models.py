@@ -120,7 +120,7 @@ def test_bf16_checkpoint_keeps_bf16_and_close_to_fp32(tmp_path: Path) -> None:
     path, model = _roundtrip_dtype(tmp_path, torch.bfloat16)
     rt16 = load_eager(path)
     assert rt16.startup_report["dtype"] == "bfloat16"
-    assert rt16.runner.kv_caches[0].dtype == torch.bfloat16
+    assert rt16.engine.runner.kv_caches[0].dtype == torch.bfloat16
     rt32 = load_eager(path, dtype="float32")
     assert rt32.startup_report["dtype"] == "float32"
     prompt = random_prompts(1, [9], model.config.vocab_size, seed=5)[0]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import torch
 
 from kiln import Runtime, SamplingParams
 from tests.conftest import load_eager
-from kiln.runtime.sampler import Sampler, apply_top_k_top_p
 from tests.conftest import random_prompts
 
 
@@ -32,45 +34,11 @@ def test_seeded_sampling_is_independent_of_the_batch(llama_checkpoint) -> None:
     assert rt.generate(prompts[0], different_seed)[0].token_ids != alone
 
 
-def test_top_k_and_top_p_masks() -> None:
-    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 10.0, 0.0]])
-    out = apply_top_k_top_p(logits, torch.tensor([2, 0]), None)
-    assert torch.isinf(out[0, [0, 3]]).all() and torch.isfinite(out[0, [1, 2]]).all()
-    assert torch.isfinite(out[1]).all()  # top_k=0 keeps everything
-    out = apply_top_k_top_p(logits, None, torch.tensor([0.5, 0.5]))
-    assert torch.isfinite(out[0]).sum() == 1 and out[0, 1] == 3.0
-    assert torch.isfinite(out[1]).sum() == 1 and out[1, 2] == 10.0
-
-
-def test_sampler_draws_only_allowed_tokens_and_greedy_is_argmax() -> None:
-    sampler = Sampler(torch.device("cpu"), seed=0)
-    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
-    params = [
-        SamplingParams(temperature=0),
-        SamplingParams(temperature=1.0, top_k=3),
-        SamplingParams(temperature=2.0, top_k=1),
-    ]
-    for step in range(20):
-        tokens = sampler(logits, params, [step] * 3)
-        assert tokens[0] == int(logits[0].argmax())
-        assert tokens[1] in logits[1].topk(3).indices.tolist()
-        assert tokens[2] == int(logits[2].argmax())
-
-
-def test_sampling_follows_the_distribution() -> None:
-    sampler = Sampler(torch.device("cpu"), seed=0)
-    probs = torch.tensor([0.6, 0.3, 0.1])
-    logits = probs.log().expand(4000, 3).contiguous()
-    tokens = torch.tensor(sampler(logits, [SamplingParams(temperature=1.0)] * 4000, [0] * 4000))
-    freq = torch.bincount(tokens, minlength=3).float() / 4000
-    assert torch.allclose(freq, probs, atol=0.03)
-
-
 def _greedy(rt: Runtime, prompt: list[int], n: int) -> list[int]:
     return rt.generate(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].token_ids
 
 
-def test_stop_on_eos_and_stop_token_ids(llama_checkpoint) -> None:
+def test_stop_on_eos_and_stop_token_ids(llama_checkpoint, tmp_path) -> None:
     path, model = llama_checkpoint
     rt = load_eager(path)
     prompt = random_prompts(1, [8], model.config.vocab_size, seed=21)[0]
@@ -79,7 +47,12 @@ def test_stop_on_eos_and_stop_token_ids(llama_checkpoint) -> None:
     cut = free.index(target) + 1
     out = rt.generate(prompt, SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[target]))[0]
     assert out.token_ids == free[:cut] and out.finish_reason == "stop"
-    rt._eos_token_ids = (target,)  # as if the checkpoint declared it
+    # the checkpoint's generation config declares the EOS token
+    declared = tmp_path / "ckpt"
+    shutil.copytree(path, declared)
+    (declared / "generation_config.json").write_text(json.dumps({"eos_token_id": [target]}))
+    rt = load_eager(declared)
+    assert rt.config.eos_token_ids == (target,)
     out = rt.generate(prompt, SamplingParams(max_tokens=10, temperature=0))[0]
     assert out.token_ids == free[:cut] and out.finish_reason == "stop"
     out = rt.generate(prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]

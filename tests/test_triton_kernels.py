@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from kiln.kernels import triton_attention as ta
+from kiln.attention import triton_kernels as ta
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu" and not ta._INTERPRETING:

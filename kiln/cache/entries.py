@@ -7,9 +7,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.cache.store import read_manifest, verify_entry
+from kiln.cache.store import read_manifest, verify_entry, verify_kernels
 
-__all__ = ["EntryInfo", "list_entries", "verify_entries", "clear_entries"]
+__all__ = ["CacheClearError", "EntryInfo", "list_entries", "verify_entries", "clear_entries"]
+
+
+class CacheClearError(OSError):
+    """Some of the cache could not be removed (a read-only cache, say)."""
 
 
 @dataclass
@@ -47,18 +51,39 @@ def list_entries(root: Path) -> list[EntryInfo]:
 
 
 def verify_entries(root: Path) -> list[tuple[str, list[str]]]:
-    """(key, problems) per entry; no problems means every checksum matches."""
+    """(key, problems) per entry: its own files, and the kernel libraries it
+    needs from the shared Inductor cache. No problems: every checksum matches."""
     out = []
     for entry in _entries(root):
         m = read_manifest(entry)
-        out.append((entry.name, ["no manifest (incomplete)"] if m is None else verify_entry(entry, m)))
+        if m is None:
+            out.append((entry.name, ["no manifest (incomplete)"]))
+            continue
+        kernels = [f"inductor/{k}" for k in verify_kernels(root / "inductor", m.get("kernels", {}))]
+        out.append((entry.name, verify_entry(entry, m) + kernels))
     return out
 
 
+def _remove(path: Path, failures: list[str]) -> bool:
+    try:
+        shutil.rmtree(path)
+    except OSError as e:
+        failures.append(f"{e.filename or path}: {e.strerror or e}")
+        return False
+    return True
+
+
 def clear_entries(root: Path) -> int:
-    """Remove every compiled entry and the shared Inductor cache; the number of entries removed."""
+    """Remove every compiled entry and the shared Inductor cache; the number of
+    entries removed. Raises ``CacheClearError`` naming what could not be removed."""
     entries = _entries(root)
-    for entry in entries:
-        shutil.rmtree(entry, ignore_errors=True)
-    shutil.rmtree(root / "inductor", ignore_errors=True)
-    return len(entries)
+    failures: list[str] = []
+    removed = sum(_remove(entry, failures) for entry in entries)
+    if (root / "inductor").exists():
+        _remove(root / "inductor", failures)
+    if failures:
+        raise CacheClearError(
+            f"could not clear {root}: removed {removed} of {len(entries)} compiled entries; "
+            f"{failures[0]}" + (f" (and {len(failures) - 1} more)" if len(failures) > 1 else "")
+        )
+    return removed

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import json
 import platform
 import sys
@@ -19,28 +20,55 @@ from typing import Any
 
 import torch
 
-__all__ = ["cache_factors", "cache_key", "diff_factors", "kiln_source_hash", "environment_factors"]
+from kiln.version import __version__
+
+__all__ = ["cache_factors", "cache_key", "cpu_features", "diff_factors", "environment_factors", "kiln_source_hash"]
 
 
-# The sources that shape compiled code: the model, its attention op, the compiler
-# and what they read. The CLI, scheduler or sampler can change without
-# invalidating every compiled entry.
-_COMPILED_SOURCES = ("config.py", "forward_context.py", "runtime/model.py", "kernels", "compiler")
+# The modules and packages whose source shapes compiled code: the models, the
+# attention op they call, the compiler and what they read. The engine, the
+# attention backends or the CLI can change without invalidating every entry.
+_COMPILED_SOURCES = ("kiln.config", "kiln.forward_context", "kiln.models", "kiln.attention.op", "kiln.compiler")
+
+
+def _source_files(module_name: str) -> list[tuple[str, Path]]:
+    """(name, file) for a module, or for every module of a package."""
+    module = importlib.import_module(module_name)
+    paths = getattr(module, "__path__", None)
+    if paths is None:
+        return [(module_name, Path(module.__file__))]  # type: ignore[arg-type]
+    out = []
+    for root in map(Path, paths):
+        for f in sorted(root.rglob("*.py")):
+            rel = f.relative_to(root).with_suffix("").as_posix().replace("/", ".")
+            out.append((f"{module_name}.{rel}", f))
+    return out
 
 
 @functools.lru_cache(maxsize=1)
 def kiln_source_hash() -> str:
-    """sha256 over the kiln sources that compiled code depends on."""
-    root = Path(__file__).resolve().parent.parent
-    files: list[Path] = []
-    for name in _COMPILED_SOURCES:
-        p = root / name
-        files.extend(sorted(p.rglob("*.py")) if p.is_dir() else [p])
+    """sha256 over the kiln sources that compiled code depends on, named by
+    module (not by path: a moved install keeps its key)."""
     h = hashlib.sha256()
-    for path in files:
-        h.update(path.relative_to(root).as_posix().encode())
-        h.update(path.read_bytes())
+    for name in _COMPILED_SOURCES:
+        for module, path in _source_files(name):
+            h.update(module.encode())
+            h.update(path.read_bytes())
     return h.hexdigest()[:16]
+
+
+def cpu_features() -> dict[str, Any]:
+    """The CPU features Inductor's vector ISA choice depends on, read from the CPU
+    without a build: an entry's recorded ISA is replayed only where they match."""
+    from torch._inductor.cpu_vec_isa import x86_isa_checker
+
+    return {
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "x86": sorted(x86_isa_checker()),
+        "avx512_bf16": bool(torch.cpu._is_avx512_bf16_supported()),
+        "amx_fp16": bool(torch.cpu._is_amx_fp16_supported()),
+        "machine": platform.machine(),
+    }
 
 
 def _triton_version() -> str | None:
@@ -52,14 +80,12 @@ def _triton_version() -> str | None:
 
 
 def environment_factors(device: torch.device) -> dict[str, Any]:
-    from kiln import __version__
-
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         device_factors = {"kind": "cuda", "name": props.name, "capability": f"{props.major}.{props.minor}",
                           "cuda": torch.version.cuda}
     else:
-        device_factors = {"kind": "cpu", "isa": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine()}
+        device_factors = {"kind": "cpu", **cpu_features()}
     return {
         "kiln_version": __version__,
         "kiln_source": kiln_source_hash(),

@@ -1,9 +1,10 @@
 """On-disk primitives for compiled entries: atomic writes, locks, checksums.
 
-An entry is a directory written whole under a temporary name and renamed into
-place; its ``manifest.json`` is written last and lists a sha256 for every other
-file, so a half-written, truncated or altered entry is recognised and never
-loaded.
+An entry is a directory built under its lock; its ``manifest.json`` is written
+last and lists a sha256 for every other file (and for the kernel libraries it
+needs from the shared Inductor cache), so a half-written, truncated or altered
+entry is recognised and never loaded. Single files are written atomically
+(temporary file, then rename).
 """
 
 from __future__ import annotations
@@ -11,9 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,22 +22,17 @@ from filelock import FileLock
 
 __all__ = [
     "MANIFEST",
-    "CorruptEntryError",
     "atomic_write_bytes",
     "atomic_write_json",
     "checksum_tree",
     "entry_lock",
     "file_sha256",
     "read_manifest",
-    "replace_dir",
     "verify_entry",
+    "verify_kernels",
 ]
 
 MANIFEST = "manifest.json"
-
-
-class CorruptEntryError(RuntimeError):
-    """An entry whose files do not match its manifest."""
 
 
 def file_sha256(path: Path) -> str:
@@ -88,15 +82,20 @@ def read_manifest(entry: Path) -> dict[str, Any] | None:
         return None
 
 
-def verify_entry(entry: Path, manifest: dict[str, Any], only: list[str] | None = None) -> list[str]:
-    """The files (of ``only``, else all) that are missing or differ from the manifest."""
-    files: dict[str, str] = manifest.get("files", {})
-    bad = []
-    for rel in only if only is not None else list(files):
-        path = entry / rel
-        if rel not in files or not path.is_file() or file_sha256(path) != files[rel]:
-            bad.append(rel)
-    return bad
+def _differing(root: Path, checksums: dict[str, str]) -> list[str]:
+    return [rel for rel, digest in checksums.items()
+            if not (root / rel).is_file() or file_sha256(root / rel) != digest]
+
+
+def verify_entry(entry: Path, manifest: dict[str, Any]) -> list[str]:
+    """The entry's files that are missing or differ from its manifest."""
+    return _differing(entry, manifest.get("files", {}))
+
+
+def verify_kernels(inductor_dir: Path, kernels: dict[str, str]) -> list[str]:
+    """The kernel libraries (relative to ``inductor_dir``, with their sha256)
+    that are missing from the Inductor cache or differ there."""
+    return _differing(inductor_dir, kernels)
 
 
 @contextmanager
@@ -106,12 +105,3 @@ def entry_lock(root: Path, key: str, timeout: float = 3600.0) -> Iterator[None]:
     locks.mkdir(parents=True, exist_ok=True)
     with FileLock(str(locks / f"{key}.lock"), timeout=timeout):
         yield
-
-
-def replace_dir(tmp: Path, dest: Path) -> None:
-    """Move a fully written ``tmp`` into place at ``dest``, replacing what is there."""
-    if dest.exists():
-        trash = dest.with_name(f".trash-{dest.name}-{os.getpid()}-{time.time_ns()}")
-        os.replace(dest, trash)
-        shutil.rmtree(trash, ignore_errors=True)
-    os.replace(tmp, dest)

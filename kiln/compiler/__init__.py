@@ -1,7 +1,7 @@
 """The compiler: one Dynamo trace, split at attention, per-bucket Inductor pieces,
-dispatch by token count."""
+dispatch by token count, and the on-disk entries that make a second start warm."""
 
-from kiln.compiler.backend import CompiledModel, CompileStats, compile_model
-from kiln.compiler.piecewise import PiecewiseBackend, TokenCountError
+from kiln.compiler.pieces import BucketedPiece, TokenCountError
+from kiln.compiler.pipeline import CompiledModel, CompileStats, compile_model
 
-__all__ = ["CompiledModel", "CompileStats", "compile_model", "PiecewiseBackend", "TokenCountError"]
+__all__ = ["BucketedPiece", "CompiledModel", "CompileStats", "TokenCountError", "compile_model"]

@@ -1,21 +1,30 @@
 """Compile once per machine: the automatic cache and prebuilt bundle entries.
 
 ``load_or_compile`` looks the model up by the hash of its cache factors. A valid
-entry is loaded (no trace, no Inductor compile, no C++ build); a missing one is
-compiled under a file lock, so that N processes cold-starting together compile
-once and the others load; a corrupted one is rebuilt with a warning.
+entry is loaded without taking any lock (reading needs none; a read-only cache
+works); a missing one is compiled under a file lock, so that N processes
+cold-starting together compile once and the others load; a corrupted one is
+rebuilt with a warning. A cache directory that cannot be written is used for
+reading only: a miss there compiles into a private temporary cache, with a
+warning, and nothing persists.
 
-Inductor's own cache (compiled ``.so`` files, Triton binaries) is shared by every
-entry under ``<cache_root>/inductor``: identical pieces of different models then
-compile once. Entries stay where they were built: Inductor records absolute paths
-of its cache in what it saves, so a relocatable bundle needs more than a copy.
+Inductor's own cache (compiled kernel libraries, Triton binaries) is shared by
+every entry under ``<cache_root>/inductor``: identical pieces of different models
+then compile once. Each entry's manifest lists, with checksums, the kernel
+libraries it needs there; one that is missing or altered is rebuilt by Inductor
+at load (which needs the C++ compiler), reported as ``kernels_rebuilt`` and a
+``repaired`` cache state, and the manifest is brought up to date.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import shutil
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +33,13 @@ from torch import nn
 from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
 from kiln.cache.keys import cache_key, diff_factors
-from kiln.cache.store import entry_lock, read_manifest, verify_entry
-from kiln.compiler.artifacts import compiler_identity, current_vec_isa, inductor_settings, load_compiled, save_compiled
-from kiln.compiler.backend import CompiledModel, CompileStats, compile_model
+from kiln.cache.store import MANIFEST, atomic_write_json, entry_lock, read_manifest, verify_entry, verify_kernels
+from kiln.compiler.artifacts import inductor_settings, load_compiled, save_compiled
+from kiln.compiler.pipeline import CompiledModel, CompileStats, compile_model
+from kiln.compiler.toolchain import checksum_kernels, compiler_identity, kernel_files, vec_isa_record
 from kiln.config import CompilationConfig
 
-__all__ = ["FactorMismatchError", "load_or_compile", "load_entry"]
+__all__ = ["CompiledEntry", "FactorMismatchError", "load_entry", "load_or_compile", "private_copy"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,43 +56,129 @@ class FactorMismatchError(ValueError):
         self.diffs = diffs
 
 
+@dataclass
+class CompiledEntry:
+    """A compiled model and where it came from."""
+
+    model: CompiledModel
+    stats: CompileStats
+    entry: Path  # the entry directory
+    inductor_dir: Path  # the Inductor cache its kernels live in
+
+
+def writable(path: Path) -> bool:
+    """Whether kiln may create files under ``path`` (created if missing)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(path, os.W_OK)
+
+
+def private_copy(source: Path | None, prefix: str) -> Path:
+    """A writable temporary copy of ``source`` (empty when None), removed at exit:
+    loading an artifact writes into the Inductor cache it reads."""
+    dest = Path(tempfile.mkdtemp(prefix=prefix))
+    if source is not None and source.is_dir():
+        shutil.copytree(source, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.lock", "locks"))
+    atexit.register(shutil.rmtree, dest, True)
+    return dest
+
+
 def _stats_from_manifest(manifest: dict[str, Any], loaded: int, source: str) -> CompileStats:
     saved = manifest.get("stats", {})
     return CompileStats(
-        dynamo_traces=0,
-        inductor_compiles=0,
-        pieces=saved.get("pieces", len(manifest["pieces"])),
-        unique_pieces=saved.get("unique_pieces", len(manifest["backends"])),
+        pieces=saved.get("pieces", len(manifest["piece_signatures"])),
+        unique_pieces=saved.get("unique_pieces", len(manifest["pieces"])),
         artifacts_loaded=loaded,
         cache=source,
     )
 
 
-def load_entry(
-    entry: Path, model: nn.Module, max_num_tokens: int, *, factors: dict[str, Any], source: str,
-    inductor_dir: Path, strict: bool = False, eager_impls: dict[str, Any] | None = None,
-) -> tuple[CompiledModel, CompileStats] | None:
-    """Load a verified entry; None when it is missing, fails its checksums or was
-    made for other factors (``strict``: raise FactorMismatchError instead)."""
+def _usable_manifest(entry: Path, factors: dict[str, Any], strict: bool) -> tuple[dict[str, Any] | None, str]:
+    """(manifest, "") for a complete, intact entry made for ``factors``, else
+    (None, why not); ``strict``: a factor mismatch raises FactorMismatchError."""
     manifest = read_manifest(entry)
     if manifest is None:
-        return None
+        return None, ""
     bad = verify_entry(entry, manifest)
     if bad:
-        logger.warning("compiled entry %s is corrupted (%s); it will be rebuilt", entry, ", ".join(bad[:4]))
-        return None
+        return None, f"compiled entry {entry} is corrupted ({', '.join(bad[:4])}); it will be rebuilt"
     diffs = diff_factors(manifest.get("factors", {}), factors)
     if diffs and strict:
         raise FactorMismatchError(entry, diffs)
     if diffs:
-        logger.warning("compiled entry %s was made for other factors (%s); it will be rebuilt",
-                       entry, ", ".join(k for k, _, _ in diffs[:4]))
+        names = ", ".join(k for k, _, _ in diffs[:4])
+        return None, f"compiled entry {entry} was made for other factors ({names}); it will be rebuilt"
+    return manifest, ""
+
+
+def load_entry(
+    entry: Path, model: nn.Module, max_num_tokens: int, *, factors: dict[str, Any], source: str,
+    inductor_dir: Path, strict: bool = False, eager_impls: dict[str, Any] | None = None,
+    lock_free: bool = False, update_manifest: bool = False,
+) -> CompiledEntry | None:
+    """Load a verified entry; None when it is missing, fails its checksums or was
+    made for other factors (``strict``: raise FactorMismatchError instead).
+
+    Kernel libraries missing from ``inductor_dir`` or altered there are removed
+    and rebuilt by Inductor while loading, and ``update_manifest`` records the
+    rebuilt ones' checksums (the caller holds the entry's lock). ``lock_free``:
+    the caller holds no lock, so return None quietly for anything that needs a
+    rebuild or a repair."""
+    manifest, problem = _usable_manifest(entry, factors, strict)
+    if manifest is None:
+        if problem and not lock_free:
+            logger.warning("%s", problem)
         return None
+    kernels: dict[str, str] = manifest.get("kernels", {})
+    damaged = verify_kernels(inductor_dir, kernels)
+    if damaged and lock_free:
+        return None
+    if damaged:
+        logger.warning(
+            "%d of the %d compiled kernels entry %s needs are missing or altered in %s (%s); "
+            "Inductor rebuilds them now, which needs a C++ compiler and takes a while",
+            len(damaged), len(kernels), entry.name, inductor_dir, ", ".join(damaged[:3]),
+        )
+        for name in damaged:
+            (inductor_dir / name).unlink(missing_ok=True)
     t0 = time.perf_counter()
     compiled, loaded = load_compiled(entry, manifest, model, max_num_tokens, inductor_dir, eager_impls)
-    stats = _stats_from_manifest(manifest, loaded, source)
+    stats = _stats_from_manifest(manifest, loaded, "repaired" if damaged else source)
+    stats.kernels_rebuilt = len(damaged)
     stats.phases["load_artifacts"] = round(time.perf_counter() - t0, 4)
-    return compiled, stats
+    if damaged and update_manifest:
+        # a library Inductor did not write again (it had it in memory) keeps its old checksum
+        rebuilt = {**kernels, **checksum_kernels(inductor_dir, list(kernels))}
+        atomic_write_json(entry / MANIFEST, {**manifest, "kernels": rebuilt})
+    return CompiledEntry(compiled, stats, entry, inductor_dir)
+
+
+def _build_entry(
+    entry: Path, key: str, model: nn.Module, config: CompilationConfig, *, max_num_tokens: int,
+    device: torch.device, factors: dict[str, Any], inductor_dir: Path, header: dict[str, Any],
+    eager_impls: dict[str, Any] | None,
+) -> CompiledEntry:
+    """Compile into ``entry`` (the caller holds its lock); the manifest, written
+    last, is what makes it valid."""
+    shutil.rmtree(entry, ignore_errors=True)
+    entry.mkdir(parents=True)
+    cpu = device.type == "cpu"
+    with temporary_cache_dir(str(inductor_dir)), inductor_settings():
+        # Asked first, so that the ISA probe's own test builds are not counted as kernels.
+        toolchain = {"vec_isa": vec_isa_record() if cpu else None, "cxx": compiler_identity() if cpu else None}
+        with kernel_files(inductor_dir) as kernels:
+            compiled, stats, pristine = compile_model(
+                model, config, max_num_tokens=max_num_tokens, device=device, eager_impls=eager_impls
+            )
+    saved_stats = {"pieces": stats.pieces, "unique_pieces": stats.unique_pieces,
+                   "inductor_compiles": stats.inductor_compiles, "phases": stats.phases}
+    save_compiled(entry, compiled, pristine, {
+        **header, "key": key, "factors": factors, "created": time.time(), "stats": saved_stats,
+        "toolchain": toolchain, "kernels": checksum_kernels(inductor_dir, kernels),
+    })
+    return CompiledEntry(compiled, stats, entry, inductor_dir)
 
 
 def load_or_compile(
@@ -95,34 +191,32 @@ def load_or_compile(
     cache_root: Path,
     header: dict[str, Any] | None = None,
     eager_impls: dict[str, Any] | None = None,
-) -> tuple[CompiledModel, CompileStats, Path]:
+) -> CompiledEntry:
     """The compiled model from the automatic cache under ``cache_root``, compiling
-    (once, under a lock) when the entry is missing or corrupted. Also returns the
-    entry's directory."""
+    (once, under a lock) when the entry is missing or corrupted."""
     key = cache_key(factors)
-    root = cache_root / "compiled"
-    root.mkdir(parents=True, exist_ok=True)
-    entry = root / key
-    inductor_dir = cache_root / "inductor"
-    with entry_lock(root, key):
-        rebuilt = (entry / "manifest.json").exists()
-        found = load_entry(entry, model, max_num_tokens, factors=factors, source="hit",
-                           inductor_dir=inductor_dir, eager_impls=eager_impls)
+    entry = cache_root / "compiled" / key
+    load = dict(factors=factors, eager_impls=eager_impls)
+    if not writable(cache_root / "compiled") or not writable(cache_root / "inductor"):
+        inductor = private_copy(cache_root / "inductor", "kiln-inductor-")
+        found = load_entry(entry, model, max_num_tokens, source="hit", inductor_dir=inductor, **load)
         if found is not None:
-            return (*found, entry)
-        # Built in place; the manifest, written last, is what makes it valid.
-        shutil.rmtree(entry, ignore_errors=True)
-        entry.mkdir(parents=True)
-        with temporary_cache_dir(str(inductor_dir)), inductor_settings():
-            compiled, stats, pristine = compile_model(
-                model, config, max_num_tokens=max_num_tokens, device=device, eager_impls=eager_impls
-            )
-        saved_stats = {"pieces": stats.pieces, "unique_pieces": stats.unique_pieces,
-                       "inductor_compiles": stats.inductor_compiles, "phases": stats.phases}
-        save_compiled(entry, compiled, pristine, {
-            **(header or {}), "key": key, "factors": factors, "created": time.time(), "stats": saved_stats,
-            "vec_isa": current_vec_isa() if device.type == "cpu" else None,
-            "cxx": compiler_identity() if device.type == "cpu" else None,
-        })
-    stats.cache = "rebuilt" if rebuilt else "miss"
-    return compiled, stats, entry
+            return found
+        cache_root = private_copy(None, "kiln-cache-")
+        logger.warning("kiln's cache %s is read-only and holds no entry for this model: compiling into "
+                       "the temporary cache %s, which is removed at exit", entry.parent.parent, cache_root)
+        entry = cache_root / "compiled" / key
+    inductor = cache_root / "inductor"
+    found = load_entry(entry, model, max_num_tokens, source="hit", inductor_dir=inductor, lock_free=True, **load)
+    if found is not None:
+        return found
+    with entry_lock(cache_root / "compiled", key):
+        rebuilt = (entry / MANIFEST).exists()
+        found = load_entry(entry, model, max_num_tokens, source="hit", inductor_dir=inductor,
+                           update_manifest=True, **load)
+        if found is not None:
+            return found
+        built = _build_entry(entry, key, model, config, max_num_tokens=max_num_tokens, device=device,
+                             factors=factors, inductor_dir=inductor, header=header or {}, eager_impls=eager_impls)
+    built.stats.cache = "rebuilt" if rebuilt else "miss"
+    return built

@@ -50,7 +50,7 @@ def capture(model: nn.Module, device: torch.device, example_tokens: int = 8) -> 
 
     result: list[CapturedGraph] = []
 
-    def backend(gm: fx.GraphModule, example_inputs: list[object]) -> object:
+    def receive_graph(gm: fx.GraphModule, example_inputs: list[object]) -> object:
         global TRACE_COUNT
         TRACE_COUNT += 1
         kinds = []
@@ -73,7 +73,7 @@ def capture(model: nn.Module, device: torch.device, example_tokens: int = 8) -> 
     # the traced graph directly afterwards and never needs Dynamo's cache.
     with _LOCK, torch.no_grad(), set_forward_context(ForwardContext(attn_metadata=None, kv_caches=[])):
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+        compiled = torch.compile(model, backend=receive_graph, fullgraph=True, dynamic=False)
         compiled(input_ids, positions)
         torch._dynamo.reset()
     if len(result) != 1:

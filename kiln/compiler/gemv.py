@@ -2,10 +2,10 @@
 
 At one to a few tokens a linear layer is a matrix-vector product bound by memory
 bandwidth. The BLAS ``mm`` behind ``F.linear`` streams the weight at about half
-of what the cores can: on the reference 2-core machine an fp32 [49152, 576]
-weight took 7.7 ms through ``mm`` and 4.0 ms as the reduction
-``(x[:, None, :] * w).sum(-1)``, which Inductor compiles to a vectorised loop
-split across threads. So exact-size pieces at small token counts have their
+of what the cores can, the reduction ``(x[:, None, :] * w).sum(-1)``, which
+Inductor compiles to a vectorised loop split across threads, at close to all of
+it (per weight shape of a 135M model, 2 threads:
+bench/results/gemv-cpu-latest.json). So exact-size pieces at small token counts have their
 ``linear`` calls rewritten into that form before Inductor sees them.
 The range runnable and larger sizes keep ``mm``, which wins once several rows
 share each weight load. The LM head, the largest matrix of a small model, runs
@@ -22,10 +22,9 @@ from torch import fx
 
 __all__ = ["CPU_GEMV_MAX_TOKENS", "decompose_linears", "logits_head_graph"]
 
-# Token counts up to which exact-size CPU pieces use the reduction form. Measured
-# on a quiet 2-core machine with a 135M model's shapes: at 1, 2 and 4 tokens the
-# reduction was 1.25-2x faster than mm on the QKV, gate/up and LM-head weights and
-# tied on the down projection. Larger counts were not measured quietly; they keep mm.
+# Token counts up to which exact-size CPU pieces use the reduction form: at 1, 2
+# and 4 tokens the reduction beat mm on the QKV, gate/up and LM-head weights of a
+# 135M model and tied on the down projection (bench/results/gemv-cpu-latest.json).
 CPU_GEMV_MAX_TOKENS = 4
 
 

@@ -1,0 +1,227 @@
+"""``compile_model``: trace once, split at attention, compile every unique compute
+piece per bucket, and stitch the result into a callable the runner uses in place
+of ``model.forward``."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from kiln.compiler.capture import CapturedGraph, GraphInput, capture
+from kiln.compiler.gemv import CPU_GEMV_MAX_TOKENS, decompose_linears, logits_head_graph
+from kiln.compiler.pieces import BucketedPiece, inductor_compile, token_arg
+from kiln.compiler.split import Piece, SplitGraph, bind_eager_implementations, split_graph
+from kiln.config import CompilationConfig
+from kiln.forward_context import ForwardContext, set_forward_context
+from kiln.progress import Progress
+
+__all__ = ["ArgumentBinder", "CompileStats", "CompiledModel", "compile_model"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CompileStats:
+    dynamo_traces: int = 0
+    inductor_compiles: int = 0
+    pieces: int = 0
+    unique_pieces: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
+    # "piece <n> [<bucket>]" -> seconds, one entry per Inductor compilation
+    compile_seconds: dict[str, float] = field(default_factory=dict)
+    artifacts_loaded: int = 0
+    # kernel libraries the shared Inductor cache had lost, rebuilt at load
+    kernels_rebuilt: int = 0
+    cache: str = "off"  # off | miss | hit | repaired | bundle | rebuilt
+
+
+class ArgumentBinder:
+    """The traced graph's arguments for one step: the model's parameters and
+    buffers in placeholder order, with the step's token ids, positions and token
+    count in their slots."""
+
+    def __init__(self, inputs: list[GraphInput], model: nn.Module) -> None:
+        tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
+        tensors.update(model.named_buffers())
+        self._args: list[Any] = [tensors[g.name] if g.kind == "param" else None for g in inputs]
+        self._dynamic = [(i, g.kind) for i, g in enumerate(inputs) if g.kind != "param"]
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> list[Any]:
+        args = list(self._args)
+        n = input_ids.shape[0]
+        for i, kind in self._dynamic:
+            args[i] = input_ids if kind == "input_ids" else positions if kind == "positions" else n
+        return args
+
+
+class CompiledModel:
+    """Calls the split graph directly (no Dynamo, no guards) with the model's
+    parameters in the order the trace recorded them. ``pieces`` maps a piece
+    signature to its compiled runnables; ``piece_signatures`` maps each
+    submodule of the split graph to its signature (identical layers share one)."""
+
+    def __init__(self, module: fx.GraphModule, inputs: list[GraphInput], model: nn.Module,
+                 pieces: dict[str, BucketedPiece], piece_signatures: dict[str, str],
+                 logits_heads: dict[int, Callable[..., Any]] | None = None) -> None:
+        self.module = module
+        self.model = model
+        # compiled LM heads by number of rows (CPU, small counts); others run eagerly
+        self.logits_heads = dict(logits_heads or {})
+        self.inputs = inputs
+        self.pieces = pieces
+        self.piece_signatures = piece_signatures
+        for name, sig in piece_signatures.items():
+            module.__dict__[name] = pieces[sig]
+        self.arguments = ArgumentBinder(inputs, model)
+
+    def wrap_pieces(self, wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Replace each compute piece's runnable by ``wrap(name, runnable)``: one
+        wrapper per piece, since identical pieces share compiled code but not
+        their inputs (a CUDA graph per layer)."""
+        for name in self.piece_signatures:
+            self.module.__dict__[name] = wrap(name, self.module.__dict__[name])
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out = self.module(*self.arguments(input_ids, positions))
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.logits_heads.get(hidden.shape[0])
+        if head is None:
+            return self.model.compute_logits(hidden)
+        return head(hidden, self.model.logits_weight())[0]
+
+
+def _record_piece_inputs(split: SplitGraph, args: list[Any], wanted: set[str]) -> dict[str, list[Any]]:
+    """Run the split graph eagerly and keep the inputs each wanted piece received."""
+    seen: dict[str, list[Any]] = {}
+    module = split.module
+    for piece in split.compute_pieces:
+        if piece.name in wanted:
+            def recorder(*a: Any, _name: str = piece.name, _gm: fx.GraphModule = piece.graph_module) -> Any:
+                seen[_name] = list(a)
+                return _gm(*a)
+            module.__dict__[piece.name] = recorder
+    try:
+        with torch.no_grad(), set_forward_context(ForwardContext(attn_metadata=None, kv_caches=[])):
+            module(*args)
+    finally:
+        for name in wanted:
+            module.__dict__.pop(name, None)
+    return seen
+
+
+class _Compiler:
+    """One compile: every unique piece for the range and each exact size, then the
+    CPU LM heads, counting and timing each Inductor compilation."""
+
+    def __init__(self, config: CompilationConfig, stats: CompileStats, bar: Progress) -> None:
+        self.options = dict(config.inductor_options or {})
+        self.stats = stats
+        self.bar = bar
+
+    def __call__(self, label: str, gm: fx.GraphModule, inputs: list[Any], dynamic: bool) -> Callable[..., Any]:
+        t0 = time.perf_counter()
+        fn = inductor_compile(gm, inputs, dynamic=dynamic, options=self.options)
+        self.stats.compile_seconds[label] = round(time.perf_counter() - t0, 4)
+        self.stats.inductor_compiles += 1
+        self.bar.update(label)
+        return fn
+
+
+def _unique_pieces(split: SplitGraph, max_num_tokens: int) -> dict[str, tuple[Piece, BucketedPiece]]:
+    """signature -> (a representative piece, its empty runnables)."""
+    unique: dict[str, tuple[Piece, BucketedPiece]] = {}
+    for piece in split.compute_pieces:
+        if piece.signature not in unique:
+            out_node = next(n for n in piece.graph_module.graph.nodes if n.op == "output")
+            unique[piece.signature] = (piece, BucketedPiece(
+                piece.signature, token_arg(piece.graph_module), max_num_tokens,
+                returns_tuple=isinstance(out_node.args[0], (tuple, list)),
+            ))
+    return unique
+
+
+def _compile_pieces(
+    split: SplitGraph, unique: dict[str, tuple[Piece, BucketedPiece]], example_args: Callable[[int], list[Any]],
+    sizes: list[int], max_num_tokens: int, device: torch.device, compile_: _Compiler,
+) -> None:
+    index_of = {sig: i for i, sig in enumerate(unique)}
+    for sig, (piece, runnables) in unique.items():
+        fakes = [n.meta["example_value"] for n in piece.graph_module.graph.nodes if n.op == "placeholder"]
+        label = f"piece {index_of[sig]} [range 1-{max_num_tokens}]"
+        runnables.range = compile_(label, piece.graph_module, fakes, dynamic=True)
+    for n in sizes:
+        recorded = _record_piece_inputs(split, example_args(n), {p.name for p, _ in unique.values()})
+        for sig, (piece, runnables) in unique.items():
+            gm = piece.graph_module
+            if device.type == "cpu" and n <= CPU_GEMV_MAX_TOKENS:
+                gm, _ = decompose_linears(gm)
+            runnables.exact[n] = compile_(f"piece {index_of[sig]} [{n}]", gm, recorded[piece.name], dynamic=False)
+
+
+def _compile_logits_heads(model: nn.Module, sizes: list[int], device: torch.device,
+                          compile_: _Compiler) -> dict[int, Callable[..., Any]]:
+    weight = model.logits_weight()
+    heads = {}
+    for n in sizes:
+        hidden = torch.zeros(n, weight.shape[1], dtype=weight.dtype, device=device)
+        heads[n] = compile_(f"logits head [{n}]", logits_head_graph(), [hidden, weight], dynamic=False)
+    return heads
+
+
+def compile_model(
+    model: nn.Module,
+    config: CompilationConfig,
+    *,
+    max_num_tokens: int,
+    device: torch.device,
+    progress: bool | None = None,
+    eager_impls: dict[str, Any] | None = None,
+) -> tuple[CompiledModel, CompileStats, bytes]:
+    """Piecewise-compile ``model`` for token counts ``[1, max_num_tokens]`` with
+    exact runnables for ``config.compile_sizes``. ``config`` must be resolved.
+
+    ``eager_impls`` ("ns::op" -> Python function) are called directly in the
+    attention pieces. Returns the callable, its statistics, and the pickled split
+    graph (before compiled pieces and direct calls were installed) for
+    ``save_compiled``."""
+    stats = CompileStats(dynamo_traces=1)
+    t0 = time.perf_counter()
+    captured: CapturedGraph = capture(model, device)
+    t1 = time.perf_counter()
+    split = split_graph(captured.graph_module, list(config.splitting_ops or []))
+    pristine = pickle.dumps(split.module)  # before compiled pieces are installed, for the cache
+    t2 = time.perf_counter()
+    stats.phases.update(trace=round(t1 - t0, 4), split=round(t2 - t1, 4))
+    unique = _unique_pieces(split, max_num_tokens)
+    stats.pieces, stats.unique_pieces = len(split.compute_pieces), len(unique)
+    sizes = list(config.compile_sizes or [])
+    head_sizes = [n for n in sizes if n <= CPU_GEMV_MAX_TOKENS] if device.type == "cpu" else []
+    bind = ArgumentBinder(captured.inputs, model)
+
+    def example_args(n: int) -> list[Any]:
+        return bind(torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, dtype=torch.long, device=device))
+
+    with Progress(len(unique) * (1 + len(sizes)) + len(head_sizes), "compiling", enabled=progress) as bar:
+        compile_ = _Compiler(config, stats, bar)
+        _compile_pieces(split, unique, example_args, sizes, max_num_tokens, device, compile_)
+        logits_heads = _compile_logits_heads(model, head_sizes, device, compile_)
+    stats.phases["compile"] = round(time.perf_counter() - t2, 4)
+    logger.info(
+        "compiled %d pieces (%d unique) x %d buckets: %d Inductor compilations in %.1fs",
+        stats.pieces, stats.unique_pieces, 1 + len(sizes), stats.inductor_compiles, stats.phases["compile"],
+    )
+    if eager_impls:
+        bind_eager_implementations(split.module, eager_impls)
+    pieces = {sig: runnables for sig, (_, runnables) in unique.items()}
+    signatures = {p.name: p.signature for p in split.compute_pieces}
+    compiled = CompiledModel(split.module, captured.inputs, model, pieces, signatures, logits_heads)
+    return compiled, stats, pristine

@@ -1,0 +1,158 @@
+"""What a warm start would otherwise ask the C++ toolchain, answered from the entry.
+
+Loading a CPU artifact makes Inductor ask three things that it answers by running
+the C++ compiler: which vector ISA to target (test builds of small probe kernels,
+``pick_vec_isa``), which compiler it is (``g++ --version``), and where each
+kernel's shared library is (built again if missing). The entry records the first
+two when it is built, and the list of kernel libraries it needs with their
+checksums; loading replays the answers, so a warm start runs no compiler at all
+and works in an image without a toolchain. The cache key pins the CPU features
+the ISA choice depends on (``kiln.cache.keys.cpu_features``), so a recorded answer is only ever
+replayed on a CPU that gives the same one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from kiln.cache.store import file_sha256
+
+__all__ = [
+    "checksum_kernels",
+    "compiler_identity",
+    "kernel_files",
+    "recorded_compiler",
+    "recorded_vec_isa",
+    "vec_isa_record",
+]
+
+logger = logging.getLogger(__name__)
+
+# ISA attributes set by Inductor's probes, which change the flags kernels build with
+_ISA_PROBED_ATTRS = {"avx512_bf16": "_is_avx512_bf16_supported", "amx_fp16": "_is_amx_fp16_supported"}
+
+
+def vec_isa_record() -> dict[str, Any]:
+    """Inductor's ISA choice on this machine (probing with the compiler), to
+    record in an entry built here."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = pick_vec_isa()
+    record = {"name": str(isa), "arch_flags": isa.build_arch_flags() if isa else ""}
+    for key, attr in _ISA_PROBED_ATTRS.items():
+        record[key] = bool(getattr(isa, attr, False))
+    return record
+
+
+def _patched(patches: dict[tuple[Any, str], Any]) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def apply() -> Iterator[None]:
+        saved = {(mod, name): getattr(mod, name) for mod, name in patches if hasattr(mod, name)}
+        try:
+            for (mod, name), value in patches.items():
+                if (mod, name) in saved:
+                    setattr(mod, name, value)
+            yield
+        finally:
+            for (mod, name), value in saved.items():
+                setattr(mod, name, value)
+
+    return apply()
+
+
+@contextlib.contextmanager
+def recorded_vec_isa(record: dict[str, Any] | None) -> Iterator[None]:
+    """Inside, Inductor's ``pick_vec_isa`` returns the recorded ISA without a
+    probe build. Without a record (an entry built for a GPU) nothing changes."""
+    if not record:
+        yield
+        return
+    from torch._inductor import codecache, cpu_vec_isa
+
+    isa = next((i for i in cpu_vec_isa.supported_vec_isa_list if str(i) == record["name"]), None)
+    if isa is None:
+        logger.info("vector ISA %r recorded in the entry is unknown to this torch; Inductor will probe",
+                    record["name"])
+        yield
+        return
+    for key, attr in _ISA_PROBED_ATTRS.items():
+        if hasattr(isa, attr):
+            setattr(isa, attr, bool(record.get(key, False)))
+    picked: Callable[[], Any] = lambda: isa  # noqa: E731
+    with _patched({(cpu_vec_isa, "pick_vec_isa"): picked, (codecache, "pick_vec_isa"): picked,
+                   (cpu_vec_isa, "valid_vec_isa_list"): lambda: [isa]}):
+        yield
+
+
+_IDENTITY_CHECKS = ("_is_clang", "_is_gcc", "_is_apple_clang", "_is_intel_compiler", "_is_msvc_cl")
+
+
+def compiler_identity() -> dict[str, Any] | None:
+    """What Inductor learns about the C++ compiler by running it (``--version``):
+    recorded when an entry is built so that loading it needs no compiler."""
+    from torch._inductor import cpp_builder
+
+    try:
+        cxx = cpp_builder.get_cpp_compiler()
+        identity: dict[str, Any] = {"compiler": cxx, "version": cpp_builder.get_compiler_version_info(cxx)}
+        for name in _IDENTITY_CHECKS:
+            fn = getattr(cpp_builder, name, None)
+            if fn is not None:
+                identity[name] = bool(fn(cxx))
+        return identity
+    except Exception:  # no compiler, or an Inductor without these helpers
+        logger.debug("could not record the C++ compiler's identity", exc_info=True)
+        return None
+
+
+@contextlib.contextmanager
+def recorded_compiler(identity: dict[str, Any] | None) -> Iterator[None]:
+    """Inside, Inductor's questions about the compiler are answered from the entry."""
+    if not identity:
+        yield
+        return
+    from torch._inductor import codecache, cpp_builder
+
+    patches: dict[tuple[Any, str], Any] = {
+        (cpp_builder, "cpp_compiler_search"): lambda search: identity["compiler"],
+        (cpp_builder, "get_compiler_version_info"): lambda compiler: identity["version"],
+        (codecache, "get_compiler_version_info"): lambda compiler: identity["version"],
+    }
+    for name in _IDENTITY_CHECKS:
+        if name in identity:
+            patches[(cpp_builder, name)] = lambda compiler, _v=identity[name]: _v
+    with _patched(patches):
+        yield
+
+
+@contextlib.contextmanager
+def kernel_files(inductor_dir: Path) -> Iterator[set[str]]:
+    """Inside, collect (relative to ``inductor_dir``) the compiled kernel
+    libraries Inductor writes or finds for the code it compiles or loads: what
+    an entry needs from the shared kernel cache. Inductor names each library
+    after the hash of its C++ source, written by ``codecache.write`` just before
+    the library is looked up, so the sources written name the libraries."""
+    from torch._inductor import codecache
+
+    found: set[str] = set()
+    write = codecache.write
+    root = inductor_dir.resolve()
+
+    def recording_write(content: Any, extension: str, *args: Any, **kwargs: Any) -> tuple[str, str]:
+        key, path = write(content, extension, *args, **kwargs)
+        library = Path(path).resolve().with_suffix(".so")
+        if extension.endswith("cpp") and not extension.endswith("optimized.cpp") and library.is_relative_to(root):
+            found.add(library.relative_to(root).as_posix())
+        return key, path
+
+    with _patched({(codecache, "write"): recording_write}):
+        yield found
+
+
+def checksum_kernels(inductor_dir: Path, names: set[str] | list[str]) -> dict[str, str]:
+    """name -> sha256 of each kernel library that exists."""
+    return {n: file_sha256(inductor_dir / n) for n in sorted(names) if (inductor_dir / n).is_file()}

@@ -1,0 +1,101 @@
+"""The engine core: requests in, one step at a time, plain data out.
+
+``Engine.step`` is the whole loop body: the scheduler picks which requests
+advance and by how many tokens, the runner runs them through the model and
+samples, the scheduler appends the tokens and finishes what stopped. No text, no
+threads, no loops: the front-ends (``kiln.entrypoints``) detokenize, stream and
+decide who steps the engine when.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kiln.engine.outputs import EngineOutputs, EngineStats
+from kiln.engine.request import Request, RequestId, SamplingParams
+from kiln.engine.runner import ModelRunner
+from kiln.engine.scheduler import Scheduler
+
+__all__ = ["Engine", "RequestNotFoundError"]
+
+
+class RequestNotFoundError(KeyError):
+    """A request id the engine does not know (finished and released, or never added)."""
+
+    def __str__(self) -> str:  # KeyError's own str() shows the repr of its argument
+        return str(self.args[0]) if self.args else "unknown request"
+
+
+class Engine:
+    """Owns the scheduler and the runner. Not thread-safe: one thread at a time
+    calls it (the front-ends hold a lock or run one engine thread)."""
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, *, vocab_size: int,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = scheduler.max_model_len
+        self._generated_tokens = 0
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, index: int | None = None) -> None:
+        """Raise ValueError naming the prompt (``prompt {index}``) or the field
+        (``params[{index}].top_p``) for a request the engine would refuse."""
+        where = "prompt" if index is None else f"prompt {index}"
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params for {where} must be a SamplingParams, got {type(params).__name__}")
+        params.validate("SamplingParams" if index is None else f"params[{index}]")
+        if not prompt_token_ids:
+            raise ValueError(f"{where} is empty")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{where}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"{where} has {len(prompt_token_ids)} tokens; max_model_len={self.max_model_len} "
+                "leaves no room to generate"
+            )
+
+    def add_request(self, request_id: RequestId, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; it joins the running batch at the next ``step``."""
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_request(prompt_token_ids, params)
+        self.scheduler.add(Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids))
+
+    def abort(self, request_ids: Iterable[RequestId]) -> None:
+        """Finish these requests now (unknown or finished ones are ignored); their
+        KV blocks are free before the next step."""
+        for rid in request_ids:
+            self.scheduler.finish(rid, "abort")
+
+    def step(self) -> EngineOutputs:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler could not place any request in the KV cache")
+            return EngineOutputs()
+        sampled = self.runner.execute(sched)
+        outputs = self.scheduler.update(sched, sampled)
+        self._generated_tokens += len(sampled)
+        return EngineOutputs(outputs, sched.total_tokens, sched.num_preempted)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        pool, run = self.scheduler.pool, self.runner.stats
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks=pool.num_blocks,
+            kv_cache_usage=1.0 - pool.num_free / pool.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            steps=run.steps,
+            scheduled_tokens=run.tokens,
+            generated_tokens=self._generated_tokens,
+            prepare_seconds=run.prepare_seconds,
+            model_seconds=run.model_seconds,
+            sample_seconds=run.sample_seconds,
+        )

@@ -1,0 +1,415 @@
+"""Loading, as a short sequence of named steps, each a function of its own:
+
+    parse_options -> open_source -> resolve_config -> build_model
+      -> compile_or_load -> size_kv_cache -> build_engine -> capture_graphs
+      -> startup report
+
+``load_engine`` runs them all, timing each phase; ``build_compiled`` (what
+``kiln compile`` runs) stops after the compile, with no KV cache, scheduler,
+runner or CUDA graphs. Every step reads the one frozen ``ResolvedConfig``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kiln.attention.backend import create_attention_backend, resolve_attention_backend
+from kiln.cache.bundle import Bundle, BuildRecord, read_bundle
+from kiln.checkpoint import Checkpoint, open_checkpoint
+from kiln.config import DEFAULT_LEVEL, CompilationConfig, CUDAGraphMode, EngineConfig, default_cache_dir
+from kiln.engine.block_pool import BlockPool
+from kiln.engine.config import (
+    ResolvedConfig,
+    kv_bytes_per_block,
+    resolve_dtype,
+    resolve_engine_sizes,
+    sampling_defaults,
+)
+from kiln.engine.core import Engine
+from kiln.engine.runner import CaptureReport, ModelRunner
+from kiln.engine.scheduler import Scheduler
+from kiln.graphs import CUDAGraphDispatcher, TorchCUDAGraphs
+from kiln.models import CausalLM, build_model, parse_model_config
+
+if TYPE_CHECKING:
+    from kiln.compiler.cached import CompiledEntry
+    from kiln.compiler.pipeline import CompileStats
+
+__all__ = ["LoadOptions", "LoadedEngine", "build_compiled", "load_engine", "parse_options"]
+
+logger = logging.getLogger(__name__)
+
+_ENGINE_FIELDS = {"kv_cache_memory_bytes", "gpu_memory_utilization", "seed"}
+_LOAD_FIELDS = {"on_mismatch", "weights_path"}
+_COMPILATION_FIELDS = {"compile_sizes", "splitting_ops", "inductor_options", "cudagraph_mode",
+                       "cudagraph_capture_sizes"}
+
+
+class Phases:
+    """Seconds per named load phase."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.t0 = time.perf_counter()
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = round(self.seconds.get(name, 0.0) + time.perf_counter() - t0, 4)
+
+    def total(self) -> float:
+        return round(time.perf_counter() - self.t0, 4)
+
+
+# ------------------------------------------------------------------ 1. options
+@dataclass(frozen=True)
+class LoadOptions:
+    """What the caller asked for, validated before anything is read from disk."""
+
+    path: str
+    optimization_level: int | None
+    device: torch.device
+    dtype: torch.dtype | str | None
+    engine: EngineConfig
+    compilation: dict[str, Any]  # the compilation fields the user set
+    cache_dir: Path
+    attention_backend: str
+    on_mismatch: str
+    weights_path: Path | None
+
+
+def _resolve_device(device: "str | torch.device | None") -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r} is not a device; use 'cpu' or 'cuda'") from None
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"device={str(device)!r} is not supported; use 'cpu' or 'cuda'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r} was asked for, but CUDA is not available")
+    return dev
+
+
+def parse_options(path: "str | Path", *, optimization_level: int | None = None, device: Any = None,
+                  dtype: Any = None, cache_dir: "str | Path | None" = None, attention_backend: str | None = None,
+                  **fields_: Any) -> LoadOptions:
+    """Check every option (types included) before anything loads."""
+    engine_names = {f.name for f in fields(EngineConfig)} - _ENGINE_FIELDS
+    known = engine_names | _ENGINE_FIELDS | _COMPILATION_FIELDS | _LOAD_FIELDS
+    unknown = set(fields_) - known
+    if unknown:
+        raise TypeError(f"Runtime.load() got unknown option(s) {sorted(unknown)}; known: {sorted(known)}")
+    on_mismatch = fields_.pop("on_mismatch", "error")
+    if on_mismatch not in ("error", "recompile"):
+        raise ValueError(f"on_mismatch must be 'error' or 'recompile', got {on_mismatch!r}")
+    if dtype is not None:
+        from kiln.models import parse_dtype
+
+        parse_dtype(dtype)  # raises for an unknown name
+    if optimization_level is not None:
+        CompilationConfig(level=optimization_level)  # raises for an unknown level
+    compilation = {k: v for k, v in fields_.items() if k in _COMPILATION_FIELDS and v is not None}
+    CompilationConfig(**compilation)  # raises naming a bad field
+    weights_path = fields_.pop("weights_path", None)
+    dev = _resolve_device(device)
+    return LoadOptions(
+        path=str(path), optimization_level=optimization_level, device=dev, dtype=dtype,
+        engine=EngineConfig(**{k: v for k, v in fields_.items() if k in engine_names | _ENGINE_FIELDS and v is not None}),
+        compilation=compilation,
+        cache_dir=Path(cache_dir).expanduser() if cache_dir else default_cache_dir(),
+        attention_backend=resolve_attention_backend(attention_backend, dev), on_mismatch=on_mismatch,
+        weights_path=Path(weights_path) if weights_path else None,
+    )
+
+
+# ------------------------------------------------------------------ 2. source
+@dataclass(frozen=True)
+class ModelSource:
+    """What the path names: a checkpoint, perhaps inside a bundle, and its tokenizer."""
+
+    checkpoint: Checkpoint
+    bundle: Bundle | None
+    tokenizer: Any
+
+
+def open_source(options: LoadOptions, phases: Phases) -> ModelSource:
+    path = options.path
+    if path == "demo":
+        from kiln.checkpoint.demo import ensure_demo_model
+
+        with phases("build_demo"):
+            path = str(ensure_demo_model(options.cache_dir))
+    bundle = read_bundle(Path(path))
+    if bundle is not None:
+        checkpoint = open_checkpoint(bundle.model_dir, weights=bundle.weights_dir(options.weights_path))
+    else:
+        checkpoint = open_checkpoint(Path(path))
+    with phases("load_tokenizer"):
+        tokenizer = checkpoint.load_tokenizer()
+    return ModelSource(checkpoint, bundle, tokenizer)
+
+
+# ------------------------------------------------------------------ 3. config
+def _compilation_for(options: LoadOptions, bundle: Bundle | None) -> CompilationConfig:
+    """The user's compilation fields; a bundle's settings fill the rest when the
+    level is the bundle's (anything asked for differently is a mismatch,
+    reported or recompiled when the factors are compared)."""
+    if bundle is None:
+        level = DEFAULT_LEVEL if options.optimization_level is None else options.optimization_level
+        return CompilationConfig(level=level, **options.compilation)
+    stored = bundle.manifest["compilation"]
+    level = stored["level"] if options.optimization_level is None else options.optimization_level
+    merged = dict(options.compilation)
+    if level == stored["level"]:
+        for k in _COMPILATION_FIELDS:
+            if stored.get(k) is not None:
+                merged.setdefault(k, stored[k])
+    return CompilationConfig(level=level, **merged)
+
+
+def resolve_config(source: ModelSource, options: LoadOptions) -> ResolvedConfig:
+    model = parse_model_config(source.checkpoint)
+    bundle = source.bundle
+    dtype = resolve_dtype(options.dtype or (bundle.manifest["dtype"] if bundle else None), model, options.device)
+    user = options.engine
+    if bundle is not None and user.max_num_batched_tokens is None:
+        user = EngineConfig(**{**{f.name: getattr(user, f.name) for f in fields(user)},
+                               "max_num_batched_tokens": bundle.manifest["engine"]["max_num_batched_tokens"]})
+    sizes = resolve_engine_sizes(user, model, dtype, options.device)
+    eos = model.eos_token_ids
+    if not eos and source.tokenizer is not None and source.tokenizer.eos_token_id is not None:
+        eos = (int(source.tokenizer.eos_token_id),)
+    return ResolvedConfig(
+        model=model,
+        compilation=_compilation_for(options, bundle).resolve(
+            device_type=options.device.type, max_num_seqs=sizes.max_num_seqs,
+            max_num_batched_tokens=sizes.max_num_batched_tokens),
+        device=options.device, dtype=dtype, attention_backend=options.attention_backend,
+        max_model_len=sizes.max_model_len, max_num_seqs=sizes.max_num_seqs,
+        max_num_batched_tokens=sizes.max_num_batched_tokens, block_size=sizes.block_size,
+        num_kv_blocks=sizes.num_kv_blocks, kv_cache_memory_bytes=user.kv_cache_memory_bytes,
+        gpu_memory_utilization=user.gpu_memory_utilization, seed=user.seed,
+        rope_positions=max(model.max_position_embeddings, sizes.max_model_len), eos_token_ids=eos,
+        sampling_defaults=sampling_defaults(source.checkpoint.generation_config(),
+                                            source.checkpoint.generation_config_source()),
+    )
+
+
+# ------------------------------------------------------------------ 4. model
+def load_model(config: ResolvedConfig, source: ModelSource) -> CausalLM:
+    return build_model(config.model, source.checkpoint, config.dtype, config.device, config.rope_positions)
+
+
+# ------------------------------------------------------------------ 5. compile
+def compile_or_load(model: CausalLM, config: ResolvedConfig, source: ModelSource, options: LoadOptions,
+                    cache_root: Path | None = None) -> "CompiledEntry | None":
+    """The compiled pieces: from the bundle, else the automatic cache (compiling
+    on a miss); None at -O0. Imported here: torch._dynamo and torch._inductor take
+    seconds to import, which an eager start should not pay."""
+    if config.compilation.level == 0:
+        return None
+    from kiln.attention.op import EAGER_IMPLEMENTATIONS
+    from kiln.compiler.cached import FactorMismatchError, load_entry, load_or_compile, private_copy
+
+    factors = config.cache_factors()
+    cache_root = cache_root or options.cache_dir
+    bundle = source.bundle
+    if bundle is not None:
+        try:
+            inductor = private_copy(bundle.inductor_dir, "kiln-inductor-")
+            found = load_entry(bundle.compiled_dir, model, config.max_num_batched_tokens, factors=factors,
+                               source="bundle", inductor_dir=inductor, strict=True, eager_impls=EAGER_IMPLEMENTATIONS)
+            if found is not None:
+                return found
+            logger.warning("bundle %s: its compiled entry is unusable; compiling into the user cache %s",
+                           bundle.path, cache_root)
+        except FactorMismatchError:
+            if options.on_mismatch != "recompile":
+                raise
+            logger.warning("bundle %s was built for another setup; compiling into %s", bundle.path, cache_root)
+    return load_or_compile(
+        model, config.compilation, max_num_tokens=config.max_num_batched_tokens, device=config.device,
+        factors=factors, cache_root=cache_root, eager_impls=EAGER_IMPLEMENTATIONS,
+        header={"model": config.model.architecture, "level": config.compilation.level},
+    )
+
+
+# ------------------------------------------------------------------ 6. KV cache
+def size_kv_cache(config: ResolvedConfig, model: CausalLM, compiled: Any) -> int:
+    """Blocks of KV cache: the resolved count, else (GPU) what free memory holds
+    after a profiling run of the largest step."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(config.device)
+    probe = ModelRunner(model, [], create_attention_backend(config.attention_backend), block_size=config.block_size,
+                        max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+                        max_model_len=config.max_model_len, device=config.device, compiled=compiled)
+    probe.profile_run()
+    torch.cuda.synchronize(config.device)
+    peak = torch.cuda.max_memory_allocated(config.device)
+    del probe
+    total = torch.cuda.get_device_properties(config.device).total_memory
+    per_block = kv_bytes_per_block(config.model, config.block_size, config.dtype)
+    blocks = min(max(0, int(total * config.gpu_memory_utilization) - peak) // per_block,
+                 config.max_num_seqs * -(-config.max_model_len // config.block_size))
+    if blocks * config.block_size < config.max_model_len:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} needs {-(-config.max_model_len // config.block_size)} KV "
+            f"blocks, GPU memory holds {blocks}; raise gpu_memory_utilization or lower max_model_len"
+        )
+    return int(blocks)
+
+
+def allocate_kv_cache(config: ResolvedConfig, num_blocks: int) -> list[torch.Tensor]:
+    mc = config.model
+    shape = (2, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
+    # Uninitialised on purpose: attention reads only slots written this request,
+    # and touching gigabytes of zeros would cost seconds of startup.
+    return [torch.empty(shape, dtype=config.dtype, device=config.device) for _ in range(mc.num_layers)]
+
+
+# ------------------------------------------------------------------ 7. engine
+def build_engine(config: ResolvedConfig, model: CausalLM, compiled: Any, kv_caches: list[torch.Tensor]) -> Engine:
+    num_blocks = kv_caches[0].shape[1]
+    scheduler = Scheduler(BlockPool(num_blocks, config.block_size), config.max_num_seqs,
+                          config.max_num_batched_tokens, config.max_model_len)
+    runner = ModelRunner(
+        model, kv_caches, create_attention_backend(config.attention_backend), block_size=config.block_size,
+        max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+        max_model_len=config.max_model_len, device=config.device, seed=config.seed, compiled=compiled,
+    )
+    return Engine(scheduler, runner, vocab_size=config.model.vocab_size, eos_token_ids=config.eos_token_ids)
+
+
+# ------------------------------------------------------------------ 8. CUDA graphs
+def capture_graphs(engine: Engine, config: ResolvedConfig) -> tuple[CUDAGraphMode, CaptureReport]:
+    """Install and capture CUDA graphs when the resolved mode asks for them; the
+    dispatcher downgrades the mode to what the attention backend and the
+    compiled model allow. Returns the mode that runs."""
+    requested = config.compilation.cudagraph_mode or CUDAGraphMode.NONE
+    if requested is CUDAGraphMode.NONE:
+        return requested, CaptureReport()
+    runner = engine.runner
+    dispatcher = CUDAGraphDispatcher(
+        requested, list(config.compilation.cudagraph_capture_sizes or []),
+        support=runner.attention_backend.cudagraph_support, has_pieces=runner.compiled is not None,
+        max_num_seqs=config.max_num_seqs,
+    )
+    if dispatcher.mode is CUDAGraphMode.NONE:
+        return dispatcher.mode, CaptureReport()
+    runner.install_cuda_graphs(dispatcher, TorchCUDAGraphs())
+    return dispatcher.mode, runner.capture_graphs()
+
+
+# ------------------------------------------------------------------ all of it
+@dataclass(frozen=True)
+class LoadedEngine:
+    engine: Engine
+    tokenizer: Any
+    config: ResolvedConfig
+    source: ModelSource
+    compiled: "CompiledEntry | None"
+    startup_report: dict[str, Any]
+
+
+def _compile_report(stats: "CompileStats | None") -> dict[str, Any]:
+    keys = ("dynamo_traces", "inductor_compiles", "artifacts_loaded", "kernels_rebuilt", "pieces",
+            "unique_pieces", "compile_seconds")
+    if stats is None:
+        return {k: {} if k == "compile_seconds" else 0 for k in keys} | {"compile_cache": "off"}
+    return {k: getattr(stats, k) for k in keys} | {"compile_cache": stats.cache}
+
+
+def startup_report(config: ResolvedConfig, engine: Engine, compiled: "CompiledEntry | None", mode: CUDAGraphMode,
+                   capture: CaptureReport, phases: Phases) -> dict[str, Any]:
+    kv_bytes = sum(t.numel() * t.element_size() for t in engine.runner.kv_caches)
+    dispatcher = engine.runner.dispatcher
+    return {
+        "phases": phases.seconds,
+        "total_seconds": phases.total(),
+        "config": config.to_dict(),
+        "optimization_level": config.compilation.level,
+        "compilation": config.compilation.to_dict(),
+        "device": str(config.device),
+        "dtype": str(config.dtype).removeprefix("torch."),
+        "architecture": config.model.architecture,
+        "attention_backend": engine.runner.attention_backend.name,
+        "cudagraph_mode": mode.value,
+        "cudagraph_capture_sizes": dispatcher.capture_sizes if dispatcher is not None else [],
+        "cudagraphs_captured": capture.graphs,
+        "cudagraph_capture_seconds": capture.seconds,
+        "cudagraph_memory_bytes": capture.memory_bytes,
+        **_compile_report(compiled.stats if compiled else None),
+        "num_kv_blocks": engine.scheduler.pool.num_blocks,
+        "kv_cache_bytes": kv_bytes,
+        "max_model_len": config.max_model_len,
+    }
+
+
+def load_engine(path: "str | Path", **kwargs: Any) -> LoadedEngine:
+    """Every load step in order; see ``kiln.Runtime.load`` for the options."""
+    phases = Phases()
+    options = parse_options(path, **kwargs)
+    source = open_source(options, phases)
+    with phases("load_config"):
+        config = resolve_config(source, options)
+    with phases("load_weights"):
+        model = load_model(config, source)
+    compiled = compile_or_load(model, config, source, options)
+    if compiled is not None:
+        phases.seconds.update(compiled.stats.phases)
+    with phases("allocate_kv_cache"):
+        kv_caches = allocate_kv_cache(config, size_kv_cache(config, model, compiled and compiled.model))
+    engine = build_engine(config, model, compiled and compiled.model, kv_caches)
+    with phases("cudagraph_capture"):
+        mode, capture = capture_graphs(engine, config)
+    report = startup_report(config, engine, compiled, mode, capture, phases)
+    logger.info(
+        "loaded %s (%s, %s on %s, -O%d, compile cache %s) in %.2fs: %d KV blocks of %d tokens",
+        options.path, config.model.architecture, report["dtype"], config.device, config.compilation.level,
+        report["compile_cache"], report["total_seconds"], report["num_kv_blocks"], config.block_size,
+    )
+    return LoadedEngine(engine, source.tokenizer, config, source, compiled, report)
+
+
+def build_compiled(path: "str | Path", cache_root: Path, **kwargs: Any) -> tuple[BuildRecord, dict[str, Any]]:
+    """``kiln compile``: resolve, build the model and compile it into
+    ``cache_root`` (a private cache: its Inductor directory then holds exactly
+    what the entry needs). No KV cache, scheduler, runner or CUDA graphs.
+    Returns the build record and a report (phases, counts)."""
+    phases = Phases()
+    options = parse_options(path, **kwargs)
+    source = open_source(options, phases)
+    with phases("load_config"):
+        config = resolve_config(source, options)
+    with phases("load_weights"):
+        model = load_model(config, source)
+    compiled = compile_or_load(model, config, source, options, cache_root=cache_root)
+    if compiled is None:
+        raise ValueError("a bundle holds compiled pieces: use -O1 or above")
+    phases.seconds.update(compiled.stats.phases)
+    checkpoint = source.checkpoint
+    record = BuildRecord(
+        entry=compiled.entry, inductor_dir=compiled.inductor_dir, factors=config.cache_factors(),
+        compilation=config.compilation.to_dict(), dtype=str(config.dtype).removeprefix("torch."),
+        max_num_batched_tokens=config.max_num_batched_tokens, architecture=config.model.architecture,
+        metadata_files=checkpoint.metadata_files(), weight_files=checkpoint.weight_files(),
+        weights_source=checkpoint.weights_dir,
+    )
+    report = {"phases": phases.seconds, "total_seconds": phases.total(), "optimization_level": config.compilation.level,
+              **_compile_report(compiled.stats)}
+    return record, report

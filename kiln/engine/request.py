@@ -1,0 +1,125 @@
+"""Requests and the options that steer their sampling."""
+
+from __future__ import annotations
+
+import enum
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+__all__ = ["GREEDY_EPSILON", "RequestId", "SamplingParams", "Request", "RequestStatus"]
+
+RequestId = Hashable
+
+# Temperatures below this are greedy, as in vLLM: dividing logits by a smaller
+# one overflows to inf and gives NaN probabilities.
+GREEDY_EPSILON = 1e-5
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == value
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    ``temperature=0`` (or below ``GREEDY_EPSILON``) is greedy. ``top_k=0`` and
+    ``top_p=1.0`` disable those filters. ``seed`` makes the request's samples
+    reproducible whatever else is in the batch. Generation stops at
+    ``max_tokens`` new tokens, at the model's EOS token (unless ``ignore_eos``),
+    at any of ``stop_token_ids``, or when the text produced so far contains one of
+    the ``stop`` strings (which is cut from the returned text).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    def validate(self, where: str = "SamplingParams") -> None:
+        """Raise ValueError naming the first invalid field."""
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"{where}.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"{where}.temperature must be a number >= 0, got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"{where}.top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"{where}.top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"{where}.seed must be an integer or None, got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"{where}.ignore_eos must be true or false, got {self.ignore_eos!r}")
+        stop = self.stop
+        if stop is not None and not isinstance(stop, str) and (
+            not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop)
+        ):
+            raise ValueError(f"{where}.stop must be a string or a list of non-empty strings, got {stop!r}")
+        if stop == "":
+            raise ValueError(f"{where}.stop must not be empty")
+        ids = self.stop_token_ids
+        if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids)):
+            raise ValueError(f"{where}.stop_token_ids must be a list of integers, got {ids!r}")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPSILON
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt being served: its tokens, its KV blocks and how far it has got.
+
+    ``num_computed_tokens`` counts the tokens whose K/V sit in the cache. After a
+    preemption it falls back to 0 and the request recomputes prompt and output so
+    far (the output tokens are kept, so the result is unchanged). The scheduler
+    owns every field but the ids and params.
+    """
+
+    request_id: RequestId
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,191 @@
+"""Running one scheduled step through the model.
+
+``execute`` stages the step into the persistent input buffers, asks the CUDA
+graph dispatcher (when graphs are installed) for the step's mode and padded
+size, builds the attention backend's metadata, runs the forward (the compiled
+pieces when there are some) inside a forward context, computes logits only for
+the rows that sample, and samples them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kiln.attention.backend import AttentionBackend
+from kiln.config import CUDAGraphMode
+from kiln.engine.input_batch import InputBatch, StepShape
+from kiln.engine.sampler import Sampler
+from kiln.engine.scheduler import SchedulerOutput
+from kiln.forward_context import BatchDescriptor, ForwardContext, set_forward_context
+from kiln.graphs import CUDAGraphDispatcher, CUDAGraphWrapper, Dispatch, GraphCapturer, capture_session
+from kiln.models import CausalLM
+from kiln.progress import Progress
+
+__all__ = ["CaptureReport", "ModelRunner", "RunnerStats"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunnerStats:
+    steps: int = 0
+    tokens: int = 0
+    prepare_seconds: float = 0.0
+    model_seconds: float = 0.0
+    sample_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class CaptureReport:
+    graphs: int = 0
+    seconds: float = 0.0
+    memory_bytes: int = 0
+
+
+class ModelRunner:
+    """Runs steps of ``model``; ``compiled`` (the compiled pieces' callable, with
+    its own CPU LM head) replaces the model's forward when given."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_caches: list[torch.Tensor],
+        attention_backend: AttentionBackend,
+        *,
+        block_size: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        device: torch.device,
+        seed: int = 0,
+        compiled: Any = None,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.attention_backend = attention_backend
+        self.forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = compiled or model
+        self.compute_logits = compiled.compute_logits if compiled is not None else model.compute_logits
+        self.compiled = compiled
+        self.device = device
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.inputs = InputBatch(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                 max_blocks_per_seq=-(-max_model_len // block_size), block_size=block_size,
+                                 device=device)
+        self.sampler = Sampler(device, seed)
+        self.stats = RunnerStats()
+        self.dispatcher: CUDAGraphDispatcher | None = None
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> list[int]:
+        """Run the step; return one sampled token per sampling request, in order."""
+        t0 = time.perf_counter()
+        shape = self.inputs.stage(sched)
+        dispatch = self._dispatch(shape)
+        num_reqs = dispatch.descriptor.num_reqs if dispatch.mode is CUDAGraphMode.FULL else shape.num_reqs
+        if dispatch.num_tokens != shape.num_tokens or num_reqs != shape.num_reqs:
+            self.inputs.pad(shape, dispatch.num_tokens, num_reqs)  # type: ignore[arg-type]
+        common = self.inputs.upload(shape, dispatch.num_tokens, num_reqs)  # type: ignore[arg-type]
+        meta = self.attention_backend.build_metadata(common)
+        t1 = time.perf_counter()
+        hidden = self._run(meta, dispatch)
+        logits = self.compute_logits(hidden[self.inputs.logits_indices.device[: shape.num_samples]])
+        t2 = time.perf_counter()
+        sampling = [s for s in sched.scheduled if s.sampling is not None]
+        tokens = self.sampler(logits, [s.sampling for s in sampling], [s.num_output_tokens for s in sampling])  # type: ignore[misc]
+        t3 = time.perf_counter()
+        st = self.stats
+        st.steps += 1
+        st.tokens += shape.num_tokens
+        st.prepare_seconds += t1 - t0
+        st.model_seconds += t2 - t1
+        st.sample_seconds += t3 - t2
+        return tokens
+
+    def _dispatch(self, shape: StepShape) -> Dispatch:
+        if self.dispatcher is None:
+            return Dispatch(CUDAGraphMode.NONE, BatchDescriptor(shape.num_tokens, shape.num_reqs, shape.uniform_decode))
+        return self.dispatcher.dispatch(shape.num_tokens, shape.num_reqs, shape.uniform_decode)
+
+    def _run(self, meta: Any, dispatch: Dispatch) -> torch.Tensor:
+        t = dispatch.num_tokens
+        context = ForwardContext(
+            attn_metadata=meta,
+            kv_caches=self.kv_caches,
+            batch_descriptor=dispatch.descriptor,
+            cudagraph_mode=dispatch.mode,
+            attention_backend=self.attention_backend,
+        )
+        with set_forward_context(context):
+            return self.forward(self.inputs.input_ids.device[:t], self.inputs.positions.device[:t])
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def install_cuda_graphs(
+        self, dispatcher: CUDAGraphDispatcher, graphs: GraphCapturer, *, check_addresses: bool = False
+    ) -> None:
+        """Wrap the forward (FULL) and its compiled pieces (PIECEWISE) as the
+        dispatcher's mode needs, sharing one memory pool; ``capture_graphs`` then
+        records them. ``graphs`` makes and replays the graphs."""
+        if dispatcher.max_capture_size > self.max_num_batched_tokens:
+            raise ValueError(
+                f"capture size {dispatcher.max_capture_size} exceeds max_num_batched_tokens="
+                f"{self.max_num_batched_tokens}"
+            )
+        pool = graphs.new_pool()
+        mode = dispatcher.mode
+        if mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE):
+            if self.compiled is None:
+                raise ValueError(f"cudagraph_mode {mode.value} needs compiled pieces (optimization level >= 1)")
+            self.compiled.wrap_pieces(lambda name, fn: CUDAGraphWrapper(
+                fn, CUDAGraphMode.PIECEWISE, graphs, pool, name=name, check_addresses=check_addresses))
+        if mode in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE):
+            self.forward = CUDAGraphWrapper(
+                self.forward, CUDAGraphMode.FULL, graphs, pool, name="model", check_addresses=check_addresses
+            )
+        self.dispatcher = dispatcher
+
+    @torch.inference_mode()
+    def capture_graphs(self, progress: bool | None = None) -> CaptureReport:
+        """Capture every graph of the dispatcher's plan, largest first, each after
+        one plain warm-up run of the same shape (first calls compile kernels and
+        allocate, which must not happen inside a capture). Every capture runs a
+        step of padding only: no KV written, none read."""
+        if self.dispatcher is None:
+            return CaptureReport()
+        plan = self.dispatcher.capture_plan()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            free_before = torch.cuda.mem_get_info(self.device)[0]
+        t0 = time.perf_counter()
+        with capture_session(), Progress(len(plan), "capturing CUDA graphs", enabled=progress) as bar:
+            for d in plan:
+                reqs = d.descriptor.num_reqs or 1
+                empty = StepShape(0, 0, 0, 0, 0)
+                self.inputs.pad(empty, d.num_tokens, reqs)
+                meta = self.attention_backend.build_metadata(self.inputs.upload(empty, d.num_tokens, reqs))
+                self._run(meta, Dispatch(CUDAGraphMode.NONE, d.descriptor))
+                self._run(meta, d)
+                bar.update(f"{d.mode.value} {d.num_tokens} tokens")
+        memory = 0
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            memory = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        report = CaptureReport(len(plan), round(time.perf_counter() - t0, 4), memory)
+        logger.info("captured %d CUDA graphs in %.2fs (%d MiB)", report.graphs, report.seconds, memory >> 20)
+        return report
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """A forward over ``max_num_batched_tokens`` dummy tokens with no metadata
+        (attention writes nothing), to measure peak activation memory."""
+        n = self.max_num_batched_tokens
+        with set_forward_context(ForwardContext(attn_metadata=None, kv_caches=self.kv_caches)):
+            hidden = self.forward(self.inputs.input_ids.device[:n], self.inputs.positions.device[:n])
+            self.compute_logits(hidden[: self.max_num_seqs])

@@ -1,0 +1,86 @@
+"""Turning logits into tokens: greedy, temperature, top-k, top-p, all in fp32.
+
+Sampling uses the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)``), which
+draws from ``p`` and lets every row take its noise from its own generator. A
+request with a seed draws the noise of its n-th token from a generator seeded by
+``(seed, n)``: its tokens do not depend on what else is in the batch, nor on
+preemption.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.engine.request import SamplingParams
+
+__all__ = ["Sampler", "apply_top_k_top_p"]
+
+_MIX = 0x9E3779B97F4A7C15
+
+
+def _step_seed(seed: int, step: int) -> int:
+    return (seed * _MIX + step * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask (to -inf) what lies outside each row's top-k and nucleus top-p.
+
+    ``top_k`` [R] int (0 = off), ``top_p`` [R] float (1.0 = off)."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        k = torch.where(top_k <= 0, torch.full_like(top_k, vocab), top_k.clamp(max=vocab))
+        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= (1 - top_p).unsqueeze(1)
+        drop[:, -1] = False  # the most likely token always stays
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(
+        self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]
+    ) -> list[int]:
+        """One token per row of ``logits`` ([R, V], any float dtype). ``steps[i]``
+        is how many tokens row i's request has produced so far."""
+        logits = logits.float()
+        greedy_tokens = logits.argmax(dim=-1)
+        if all(p.greedy for p in params):
+            return greedy_tokens.tolist()
+
+        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
+        logits = logits / temps.unsqueeze(1)
+        top_k = top_p = None
+        if any(p.top_k > 0 for p in params):
+            top_k = torch.tensor([p.top_k for p in params], device=logits.device)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+        if top_k is not None or top_p is not None:
+            logits = apply_top_k_top_p(logits, top_k, top_p)
+        probs = logits.softmax(dim=-1)
+
+        noise = torch.ones_like(probs)
+        unseeded = [i for i, p in enumerate(params) if p.seed is None and not p.greedy]
+        if unseeded:
+            idx = torch.tensor(unseeded, device=logits.device)
+            noise[idx] = torch.empty(len(unseeded), probs.shape[1], device=logits.device).exponential_(
+                generator=self.generator
+            )
+        for i, p in enumerate(params):
+            if p.seed is not None and not p.greedy:
+                g = torch.Generator(device=logits.device)
+                g.manual_seed(_step_seed(p.seed, steps[i]))
+                noise[i].exponential_(generator=g)
+        sampled = (probs / noise).argmax(dim=-1)
+        greedy_mask = torch.tensor([p.greedy for p in params], device=logits.device)
+        return torch.where(greedy_mask, greedy_tokens, sampled).tolist()

@@ -1,0 +1,170 @@
+"""Continuous batching over a paged KV cache.
+
+Each step the scheduler spends a token budget: first on requests already running
+(a decode token each, or the next chunk of a long prefill), then on waiting
+requests, which join the running batch at any step. When the KV cache runs short,
+the most recently admitted running request is preempted: its blocks are freed and
+it waits to recompute its prompt and output so far, losing nothing.
+
+What it hands the runner is plain data (``ScheduledRequest``): token ids,
+positions, block ids and sampling options, never a ``Request``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kiln.engine.block_pool import BlockPool
+from kiln.engine.outputs import EngineOutput
+from kiln.engine.request import Request, RequestId, RequestStatus, SamplingParams
+
+__all__ = ["ScheduledRequest", "SchedulerOutput", "Scheduler"]
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request_id: RequestId
+    token_ids: list[int]  # the tokens computed this step
+    start: int  # position of token_ids[0]
+    block_ids: list[int]  # the request's KV blocks (its block-table row); read only
+    # Set when this step reaches the end of the known tokens, so the logits of its
+    # last token pick the next one.
+    sampling: SamplingParams | None
+    num_output_tokens: int  # tokens the request produced before this step (seeds per token)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+def _schedule(req: Request, n: int) -> ScheduledRequest:
+    start = req.num_computed_tokens
+    samples = start + n == req.num_tokens
+    return ScheduledRequest(req.request_id, req.tokens(start, start + n), start, req.block_ids,
+                            req.params if samples else None, len(req.output_token_ids))
+
+
+class Scheduler:
+    def __init__(
+        self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+    ) -> None:
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[RequestId, Request] = {}  # every unfinished request
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._reserve(req, n, out):
+                break  # the request itself was preempted: nothing after it is running
+            out.scheduled.append(_schedule(req, n))
+            budget -= n
+            i += 1
+        # A step that had to preempt admits nobody: the cache is already too tight.
+        while not out.num_preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.pool.grow(req.block_ids, req.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(_schedule(req, n))
+            budget -= n
+        return out
+
+    def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        """Grow ``req``'s blocks to hold ``n`` more tokens, preempting from the back
+        of the running list until it fits. False when ``req`` was the victim."""
+        while not self.pool.grow(req.block_ids, req.num_computed_tokens + n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.num_preempted += 1
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[EngineOutput]:
+        """Advance every scheduled request; append the sampled tokens (one per
+        sampling request, in schedule order) and finish requests that hit a stop
+        condition known from token ids alone. Returns what each sampling request
+        gained."""
+        outputs = []
+        tokens = iter(sampled)
+        for s in out.scheduled:
+            req = self.requests[s.request_id]
+            req.num_computed_tokens += s.num_tokens
+            if s.sampling is None:
+                continue
+            token = next(tokens)
+            req.output_token_ids.append(token)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.finish(req.request_id, reason)
+            outputs.append(EngineOutput(req.request_id, [token], reason))
+        return outputs
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if not p.ignore_eos and token in req.eos_token_ids:
+            return "stop"
+        if p.stop_token_ids and token in p.stop_token_ids:
+            return "stop"
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, request_id: RequestId, reason: str) -> Request | None:
+        """End a request now (also for stop strings and aborts) and free its
+        blocks; the request, or None when it is unknown or already finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        return req

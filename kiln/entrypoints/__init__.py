@@ -1,0 +1,1 @@
+"""Front-ends over the engine: the synchronous ``Runtime`` and the command line."""

@@ -1,0 +1,251 @@
+"""The ``kiln`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kiln.config import DEFAULT_LEVEL, CUDAGraphMode
+
+__all__ = ["main"]
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r}") from None
+    if any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"token counts must be positive, got {text!r}")
+    return sizes
+
+
+def _compilation_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Only the flags the user gave: a level's defaults must not be overwritten."""
+    overrides: dict[str, Any] = {}
+    if args.compile_sizes is not None:
+        overrides["compile_sizes"] = args.compile_sizes
+    if args.cudagraph_mode is not None:
+        overrides["cudagraph_mode"] = args.cudagraph_mode
+    return overrides
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
+    p.add_argument("--model", default="demo", help="checkpoint directory, bundle, or 'demo' (default)")
+    p.add_argument("--prompt", default="Once upon a time", help="prompt text")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument(
+        "-O", dest="level", type=int, default=DEFAULT_LEVEL, choices=[0, 1, 2, 3],
+        help=f"optimization level (default {DEFAULT_LEVEL}): 0 eager, 1 compiled range, 2 + exact sizes, 3 + autotuning",
+    )
+    p.add_argument("--compile-sizes", type=_sizes, default=None, metavar="N,N,...",
+                   help="token counts compiled exactly (default: the level's)")
+    p.add_argument("--cudagraph-mode", default=None, choices=[m.value for m in CUDAGraphMode],
+                   help="CUDA graph mode (GPU only; default: the level's)")
+    p.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"],
+                   help="attention kernels (default: $KILN_ATTENTION_BACKEND, else auto: triton on CUDA, torch on CPU)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--cache-dir", default=None, help="kiln's cache directory")
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress and print the startup report")
+
+
+def _validate_flags(params: Any) -> None:
+    """SamplingParams.validate, with its messages naming the command-line flags."""
+    import dataclasses
+
+    try:
+        params.validate("SamplingParams")
+    except ValueError as e:
+        message = str(e)
+        for f in dataclasses.fields(params):
+            message = message.replace(f"SamplingParams.{f.name}", "--" + f.name.replace("_", "-"))
+        raise ValueError(message) from None
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from kiln import Runtime, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    _validate_flags(params)  # before loading: a bad flag must not wait for a compile
+    rt = Runtime.load(
+        args.model,
+        optimization_level=args.level,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        cache_dir=args.cache_dir,
+        attention_backend=args.attention_backend,
+        **_compilation_overrides(args),
+    )
+    if args.verbose:
+        print(json.dumps(rt.startup_report, indent=2), file=sys.stderr)
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    reason = None
+    for delta in rt.stream(args.prompt, params):
+        if first is None:
+            first = time.perf_counter()
+        n += len(delta.token_ids)
+        reason = delta.finish_reason
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+    elapsed = time.perf_counter() - t0
+    sys.stdout.write("\n")
+    decode_rate = (n - 1) / (time.perf_counter() - first) if first and n > 1 else 0.0
+    print(
+        f"kiln: {n} tokens in {elapsed:.2f}s ({n / elapsed if elapsed else 0:.1f} tok/s, "
+        f"decode {decode_rate:.1f} tok/s), finish={reason}, "
+        f"startup {rt.startup_report['total_seconds']:.2f}s, -O{rt.startup_report['optimization_level']} "
+        f"on {rt.device}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _add_compile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compile", help="prebuild a relocatable bundle: Runtime.load(DIR) then starts warm")
+    p.add_argument("model", help="checkpoint directory, or 'demo'")
+    p.add_argument("--out", required=True, help="bundle directory to create (must not exist or be empty)")
+    p.add_argument("-O", dest="level", type=int, default=DEFAULT_LEVEL, choices=[1, 2, 3],
+                   help=f"optimization level (default {DEFAULT_LEVEL})")
+    p.add_argument("--compile-sizes", type=_sizes, default=None, metavar="N,N,...")
+    p.add_argument("--cudagraph-mode", default=None, choices=[m.value for m in CUDAGraphMode])
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--include-weights", action="store_true", help="copy the safetensors files into the bundle")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def _compile(args: argparse.Namespace) -> int:
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from kiln.cache.bundle import write_bundle
+    from kiln.engine.loader import build_compiled
+
+    t0 = time.perf_counter()
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not empty; choose another --out")
+    # A private cache: its Inductor directory then holds exactly what the bundle needs.
+    private = Path(tempfile.mkdtemp(prefix="kiln-compile-"))
+    try:
+        record, r = build_compiled(
+            args.model,
+            private,
+            optimization_level=args.level,
+            device=args.device,
+            dtype=args.dtype,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            **_compilation_overrides(args),
+        )
+        summary = write_bundle(record, out, args.include_weights)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+    mib = 1 << 20
+    print(
+        f"kiln: bundle {summary['path']}: -O{r['optimization_level']}, {r['pieces']} pieces "
+        f"({r['unique_pieces']} unique), {r['inductor_compiles']} Inductor compilations in "
+        f"{r['phases'].get('compile', 0):.1f}s (trace {r['phases'].get('trace', 0):.1f}s); "
+        f"compiled {summary['compiled_bytes'] / mib:.1f} MiB, model files {summary['model_bytes'] / mib:.1f} MiB"
+        f"{'' if args.include_weights else ' (no weights)'}; {time.perf_counter() - t0:.1f}s in all",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _add_cache(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("cache", help="list, verify or clear compiled entries")
+    p.add_argument("action", choices=["ls", "verify", "clear"])
+    p.add_argument("--cache-dir", default=None, help="kiln's cache directory (default: KILN_CACHE_DIR, ...)")
+
+
+def _cache(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kiln.cache.entries import clear_entries, list_entries, verify_entries
+    from kiln.config import default_cache_dir
+
+    root = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
+    if args.action == "ls":
+        rows = list_entries(root)
+        if not rows:
+            print(f"no compiled entries in {root}")
+        for e in rows:
+            print(f"{e.key}  {e.model:<22} -O{e.level}  {e.size / (1 << 20):8.1f} MiB  "
+                  f"{_age(e.age_seconds):>8}  {'ok' if e.complete else 'incomplete'}")
+        return 0
+    if args.action == "verify":
+        bad = 0
+        for key, problems in verify_entries(root):
+            status = "ok" if not problems else "CORRUPT: " + ", ".join(problems[:5])
+            bad += bool(problems)
+            print(f"{key}  {status}")
+        return 1 if bad else 0
+    removed = clear_entries(root)  # CacheClearError (an OSError) names what could not be removed
+    print(f"removed {removed} compiled entries from {root}")
+    return 0
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit} ago"
+    return f"{seconds:.0f}s ago"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kiln", description="kiln: a compiler-centric LLM inference runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_compile(sub)
+    _add_cache(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "compile":
+            return _compile(args)
+        if args.command == "cache":
+            return _cache(args)
+    except (ValueError, TypeError, OSError) as e:
+        if getattr(args, "verbose", False):
+            raise
+        print(f"kiln: error: {e}", file=sys.stderr)
+        return 1 if isinstance(e, OSError) else 2  # 2: the input was at fault
+    except KeyboardInterrupt:
+        return 130
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Bundles written by ``kiln compile``: relocatable, read-only, and warm on a
+fresh machine with no compiler."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from kiln import Runtime
+from kiln.compiler.cached import FactorMismatchError
+from tests.conftest import fresh_env, kiln_cli, run_child
+from tests.test_cache import COMPILES
+
+
+@pytest.fixture(scope="module", params=[1, 2])
+def bundle(request, tiny, tmp_path_factory):
+    path, _, _ = tiny
+    level = request.param
+    out = tmp_path_factory.mktemp(f"bundles-O{level}") / "b"
+    proc = kiln_cli(["compile", str(path), "--out", str(out), f"-O{level}", "--include-weights"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{COMPILES[level]} Inductor compilations" in proc.stderr
+    manifest = json.loads((out / "kiln-bundle.json").read_text())
+    assert manifest["model"]["includes_weights"] and manifest["compilation"]["level"] == level
+    return level, out
+
+
+def test_bundle_loads_after_a_move_from_a_read_only_mount_on_a_fresh_machine(tiny, bundle, tmp_path) -> None:
+    path, prompts, expected = tiny
+    level, built = bundle
+    moved = tmp_path / "moved"
+    os.replace(built, moved)
+    try:
+        log = tmp_path / "compiler-calls.log"
+        user_cache = tmp_path / "user-cache"
+        env = fresh_env(tmp_path / "machine", failing_compilers_log=log, KILN_CACHE_DIR=str(user_cache))
+        result = run_child(tmp_path / "ro", {}, prompts, env=env, read_only=(moved, tmp_path / "ro"))
+        assert result["compile_cache"] == "bundle"
+        assert result["dynamo_traces"] == 0 and result["inductor_compiles"] == 0
+        assert result["artifacts_loaded"] == COMPILES[level]
+        assert result["tokens"] == expected
+        assert not log.exists(), log.read_text()
+        assert not (user_cache / "compiled").exists()  # nothing compiled on the side
+    finally:
+        os.replace(moved, built)
+
+
+@pytest.mark.parametrize("bundle", [1], indirect=True)
+def test_bundle_mismatch_names_each_factor(bundle, tmp_path) -> None:
+    level, built = bundle
+    with pytest.raises(FactorMismatchError) as err:
+        Runtime.load(built, compile_sizes=[2], cache_dir=tmp_path)
+    assert "compilation.compile_sizes: built with [], this runtime has [2]" in str(err.value)
+    tampered = tmp_path / "tampered"
+    shutil.copytree(built, tampered)
+    m = json.loads((tampered / "compiled" / "manifest.json").read_text())
+    m["factors"]["torch_version"] = "1.0.0"
+    (tampered / "compiled" / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(FactorMismatchError, match=r"torch_version: built with '1\.0\.0', this runtime has"):
+        Runtime.load(tampered, cache_dir=tmp_path)
+    rt = Runtime.load(tampered, cache_dir=tmp_path / "user", on_mismatch="recompile")
+    assert rt.startup_report["compile_cache"] == "miss" and rt.startup_report["inductor_compiles"] == 3

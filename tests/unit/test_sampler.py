@@ -1,0 +1,54 @@
+"""The sampler alone: filters, greedy rows, the sampled distribution."""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.engine.request import SamplingParams
+from kiln.engine.sampler import Sampler, apply_top_k_top_p
+
+
+def test_top_k_and_top_p_masks() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 10.0, 0.0]])
+    out = apply_top_k_top_p(logits, torch.tensor([2, 0]), None)
+    assert torch.isinf(out[0, [0, 3]]).all() and torch.isfinite(out[0, [1, 2]]).all()
+    assert torch.isfinite(out[1]).all()  # top_k=0 keeps everything
+    out = apply_top_k_top_p(logits, None, torch.tensor([0.5, 0.5]))
+    assert torch.isfinite(out[0]).sum() == 1 and out[0, 1] == 3.0
+    assert torch.isfinite(out[1]).sum() == 1 and out[1, 2] == 10.0
+
+
+def test_sampler_draws_only_allowed_tokens_and_greedy_is_argmax() -> None:
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, top_k=3),
+        SamplingParams(temperature=2.0, top_k=1),
+    ]
+    for step in range(20):
+        tokens = sampler(logits, params, [step] * 3)
+        assert tokens[0] == int(logits[0].argmax())
+        assert tokens[1] in logits[1].topk(3).indices.tolist()
+        assert tokens[2] == int(logits[2].argmax())
+
+
+def test_sampling_follows_the_distribution() -> None:
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = probs.log().expand(4000, 3).contiguous()
+    tokens = torch.tensor(sampler(logits, [SamplingParams(temperature=1.0)] * 4000, [0] * 4000))
+    freq = torch.bincount(tokens, minlength=3).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+def test_tiny_temperatures_are_greedy() -> None:
+    """A temperature far below any useful one divides logits into inf and NaN
+    probabilities (token 0 every time); below GREEDY_EPSILON it is greedy."""
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(1))
+    for t in (1e-45, 1e-9, 1e-6):
+        params = [SamplingParams(temperature=t), SamplingParams(temperature=t, seed=3)]
+        assert all(p.greedy for p in params)
+        assert sampler(logits, params, [0, 0]) == logits.argmax(-1).tolist()
+    assert not SamplingParams(temperature=1e-3).greedy

@@ -1,0 +1,45 @@
+"""SamplingParams.validate: every bad field is a ValueError naming it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kiln.engine.request import SamplingParams
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"max_tokens": 0}, r"p\.max_tokens must be an integer >= 1, got 0"),
+        ({"max_tokens": 2.0}, r"p\.max_tokens"),
+        ({"max_tokens": True}, r"p\.max_tokens"),
+        ({"temperature": -0.1}, r"p\.temperature must be a number >= 0"),
+        ({"temperature": float("nan")}, r"p\.temperature"),
+        ({"temperature": "hot"}, r"p\.temperature"),
+        ({"top_k": -1}, r"p\.top_k"),
+        ({"top_p": 0.0}, r"p\.top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"p\.top_p"),
+        ({"seed": "abc"}, r"p\.seed must be an integer or None, got 'abc'"),
+        ({"seed": 1.5}, r"p\.seed"),
+        ({"stop": 5}, r"p\.stop must be a string or a list of non-empty strings, got 5"),
+        ({"stop": {"a": 1}}, r"p\.stop must be a string or a list"),
+        ({"stop": {"a", "b"}}, r"p\.stop must be a string or a list"),
+        ({"stop": ["ok", ""]}, r"p\.stop"),
+        ({"stop": ""}, r"p\.stop must not be empty"),
+        ({"stop_token_ids": 3}, r"p\.stop_token_ids must be a list of integers"),
+        ({"stop_token_ids": {3, 4}}, r"p\.stop_token_ids"),
+        ({"stop_token_ids": [1, "2"]}, r"p\.stop_token_ids"),
+        ({"ignore_eos": "no"}, r"p\.ignore_eos must be true or false"),
+    ],
+)
+def test_bad_fields_are_value_errors_naming_the_field(fields, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**fields).validate("p")
+
+
+def test_accepted_forms() -> None:
+    for fields in ({"stop": "x"}, {"stop": ["x", "yz"]}, {"stop": ("x",)}, {"stop_token_ids": [np.int64(3)]},
+                   {"seed": np.int32(7)}, {"temperature": np.float32(0.5)}, {"temperature": 0}):
+        SamplingParams(**fields).validate("p")
+    assert SamplingParams(stop="x").stop_strings == ["x"] and SamplingParams().stop_strings == []
