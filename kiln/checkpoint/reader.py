@@ -108,7 +108,7 @@ class Checkpoint(abc.ABC):
 
 def open_checkpoint(path: Path, weights: Path | None = None) -> Checkpoint:
     """The checkpoint at ``path``: a Hugging Face directory (config.json and
-    safetensors). ``weights``: a directory holding the
+    safetensors), or a ``.gguf`` file. ``weights``: a directory holding the
     safetensors when they are kept apart from the config (a bundle built without
     weights)."""
     from kiln.checkpoint.safetensors import HFCheckpoint
@@ -117,4 +117,8 @@ def open_checkpoint(path: Path, weights: Path | None = None) -> Checkpoint:
         raise CheckpointError(f"model path {path} does not exist")
     if path.is_dir():
         return HFCheckpoint(path, weights or path)
-    raise CheckpointError(f"model path {path} is not a checkpoint directory")
+    if path.suffix.lower() == ".gguf":
+        from kiln.checkpoint.gguf import GGUFCheckpoint
+
+        return GGUFCheckpoint(path)
+    raise CheckpointError(f"model path {path} is not a checkpoint directory or a .gguf file")
