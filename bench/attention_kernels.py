@@ -54,11 +54,8 @@ is not usable.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import math
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -69,8 +66,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-BENCH_DIR = Path(__file__).resolve().parent
-DEFAULT_OUT_DIR = BENCH_DIR / "results"
+from bench.common.harness import timing_summary
+from bench.common.report import RESULTS_DIR, RunRecord, fmt, format_table, publish
 
 H200_COPY_GBPS = 4300.0  # device-to-device copy, bytes read + written, measured here (datasheet 4800)
 H200_BF16_TFLOPS = 790.0  # 8192^3 bf16 matmul on random data, measured here (datasheet ~990)
@@ -319,7 +316,7 @@ def time_cuda(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> dict[st
     torch.cuda.synchronize()
     times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
     del flush
-    return _summary(times, "cuda events, L2 flushed before each call")
+    return {**timing_summary(times, "cuda events, L2 flushed before each call"), "calls": len(times)}
 
 
 def time_host(fn: Callable[[], Any], warmup: int = 1, reps: int = 3) -> dict[str, Any]:
@@ -331,15 +328,8 @@ def time_host(fn: Callable[[], Any], warmup: int = 1, reps: int = 3) -> dict[str
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
-    return _summary(sorted(times), "host wall clock (interpreter: not a measurement)")
-
-
-def _summary(times: Sequence[float], method: str) -> dict[str, Any]:
-    def pct(p: float) -> float:
-        return times[min(len(times) - 1, max(0, round(p * (len(times) - 1))))]
-
-    return {"median_ms": statistics.median(times), "p20_ms": pct(0.2), "p80_ms": pct(0.8),
-            "min_ms": times[0], "calls": len(times), "method": method}
+    return {**timing_summary(sorted(times), "host wall clock (interpreter: not a measurement)"),
+            "calls": len(times)}
 
 
 # ------------------------------------------------------------------------- measuring
@@ -482,13 +472,7 @@ def measure_write(case: WriteCase, s: Settings, ta: Any) -> dict[str, Any]:
 # ----------------------------------------------------------------------- reporting
 
 
-def _fmt(x: float | None, digits: int = 2) -> str:
-    return "n/a" if x is None else f"{x:.{digits}f}"
-
-
 def render(report: dict[str, Any]) -> str:
-    from bench.decode import format_table
-
     st = report["settings"]
     head = (f"attention kernels: {report['machine'].get('gpu') or report['machine']['device']}, "
             f"{st['dtype']}, peaks {st['peak_gbps']:.0f} GB/s and {st['peak_tflops']:.0f} TFLOP/s "
@@ -510,11 +494,11 @@ def render(report: dict[str, Any]) -> str:
                 err_text = f"{err:.2e}"
             rows.append([
                 r["case"], label,
-                _fmt(e["median_ms"] * 1e3, 1),
-                _fmt(e.get("gb_per_s"), 0) if r["kind"] != "prefill" else "-",
-                _fmt(100 * e["fraction_of_peak_bandwidth"], 1) + "%" if r["kind"] != "prefill" else "-",
-                _fmt(e.get("tflop_per_s"), 1) if r["kind"] == "prefill" else "-",
-                _fmt(100 * e["fraction_of_peak_tflops"], 1) + "%" if r["kind"] == "prefill" else "-",
+                fmt(e["median_ms"] * 1e3, 1),
+                fmt(e.get("gb_per_s"), 0) if r["kind"] != "prefill" else "-",
+                fmt(100 * e["fraction_of_peak_bandwidth"], 1) + "%" if r["kind"] != "prefill" else "-",
+                fmt(e.get("tflop_per_s"), 1) if r["kind"] == "prefill" else "-",
+                fmt(100 * e["fraction_of_peak_tflops"], 1) + "%" if r["kind"] == "prefill" else "-",
                 err_text,
                 ("ok" if ok else "FAIL") if label == "kiln triton" else "(info)",
             ])
@@ -547,21 +531,6 @@ def gpu_info(device: torch.device) -> dict[str, Any]:
     return info
 
 
-def write_report(report: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
-    from bench.decode import _path_placeholders, scrub_paths
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    device = report["machine"]["device"].replace(":", "")
-    text = json.dumps(scrub_paths(report, _path_placeholders()), indent=2, default=str) + "\n"
-    paths = (out_dir / f"attention-kernels-{device}-{report['run_stamp']}.json",
-             out_dir / f"attention-kernels-{device}-latest.json")
-    for path in paths:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    return paths
-
-
 # ---------------------------------------------------------------------------- main
 
 
@@ -579,19 +548,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help=f"bf16 matmul rate to compare against (default {H200_BF16_TFLOPS:.0f}, H200)")
     p.add_argument("--only", default=None,
                    help="comma-separated substrings: run the cases whose name contains one")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT_DIR, help="results directory (default bench/results)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory (default bench/results)")
     p.add_argument("--no-json", action="store_true", help="print only")
     return p.parse_args(argv)
 
 
 def _import_kernels(device: torch.device) -> Any:
-    """``kiln.kernels.triton_attention``, compiled on CUDA or interpreted on CPU
+    """``kiln.attention.triton_kernels``, compiled on CUDA or interpreted on CPU
     (the interpreter is chosen when the module is imported)."""
-    loaded = "kiln.kernels.triton_attention" in sys.modules
+    loaded = "kiln.attention.triton_kernels" in sys.modules
     if device.type == "cpu" and not loaded:
         os.environ["TRITON_INTERPRET"] = "1"
     try:
-        from kiln.kernels import triton_attention as ta
+        from kiln.attention import triton_kernels as ta
     except ImportError as e:
         raise SystemExit(f"error: Triton is not importable ({e}); kiln's Triton kernels need it") from None
     if device.type == "cpu" and not ta._INTERPRETING:
@@ -602,15 +571,75 @@ def _import_kernels(device: torch.device) -> Any:
     return ta
 
 
+def _usable_device(args: argparse.Namespace) -> str | None:
+    """Why the requested device cannot run this benchmark, or None."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return ("error: bench.attention_kernels measures GPU kernels and CUDA is not available here "
+                f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}). "
+                "For a smoke test of the script on CPU: --device cpu --tiny")
+    if args.device == "cpu" and not args.tiny:
+        return "error: on cpu the kernels run in Triton's interpreter: only --tiny is practical"
+    return None
+
+
+def _select_cases(args: argparse.Namespace) -> list[AttentionCase | WriteCase]:
+    attn_cases, write_cases = tiny_cases() if args.tiny else full_cases()
+    cases: list[AttentionCase | WriteCase] = [*attn_cases, *write_cases]
+    if args.only:
+        keys = [k for k in args.only.split(",") if k]
+        cases = [c for c in cases if any(k in c.name for k in keys)]
+    return cases
+
+
+def run_case(case: AttentionCase | WriteCase, s: Settings, ta: Any) -> dict[str, Any]:
+    """The case's result; one holding ``error`` (and not verified) if it raised,
+    so that the other cases still run."""
+    print(f"{case.name}: {case.shape} ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    try:
+        r = measure_attention(case, s, ta) if isinstance(case, AttentionCase) else measure_write(case, s, ta)
+    except Exception as e:  # noqa: BLE001 - record it and go on with the other cases
+        import traceback
+
+        traceback.print_exc()
+        r = {"case": case.name, "kind": getattr(case, "kind", "kv-write"), "shape": case.shape,
+             "error": f"{type(e).__name__}: {e}", "verified": False}
+    r["seconds"] = round(time.perf_counter() - t0, 2)
+    if s.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return r
+
+
+def _settings_record(args: argparse.Namespace, interpreted: bool, gpu_name: str) -> dict[str, Any]:
+    return {
+        "device": args.device,
+        "dtype": "bfloat16",
+        "tiny": args.tiny,
+        "interpreted": interpreted,
+        "warmup_ms": args.warmup_ms,
+        "rep_ms": args.rep_ms,
+        "timing": ("median of CUDA-event-timed calls, 256 MiB L2 flush before each"
+                   if args.device == "cuda" else "host wall clock under the interpreter: not a measurement"),
+        "peak_gbps": args.peak_gbps,
+        "peak_tflops": args.peak_tflops,
+        "peaks_note": ("H200 figures measured on this workplace" if "H200" in gpu_name
+                       else "H200 figures; this device is not an H200"),
+        "tolerance": TOLERANCE,
+        "seed": SEED,
+        "notes": [
+            "block tables are a random permutation of the cache's blocks; unused slots are NaN",
+            "prefill FLOPs: 2*2*T*T/2*heads*head_dim per request (QK^T and PV, causal half)",
+            "decode bytes: sum(seq_lens)*kv_heads*head_dim*2 (K,V)*itemsize + q + out + indices",
+            "SDPA runs on dense, unpaged [R, H, L, D] tensors with torch's default backend choice",
+        ],
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("error: bench.attention_kernels measures GPU kernels and CUDA is not available here "
-              f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}). "
-              "For a smoke test of the script on CPU: --device cpu --tiny", file=sys.stderr)
-        return 2
-    if args.device == "cpu" and not args.tiny:
-        print("error: on cpu the kernels run in Triton's interpreter: only --tiny is practical", file=sys.stderr)
+    problem = _usable_device(args)
+    if problem is not None:
+        print(problem, file=sys.stderr)
         return 2
     device = torch.device(args.device)
     try:
@@ -619,76 +648,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 2
 
-    started = dt.datetime.now()
+    record = RunRecord("attention-kernels", args.device)
     s = Settings(device, torch.bfloat16, args.warmup_ms, args.rep_ms, args.peak_gbps, args.peak_tflops)
-    attn_cases, write_cases = tiny_cases() if args.tiny else full_cases()
-    if args.only:
-        keys = [k for k in args.only.split(",") if k]
-        attn_cases = [c for c in attn_cases if any(k in c.name for k in keys)]
-        write_cases = [c for c in write_cases if any(k in c.name for k in keys)]
     torch.manual_seed(SEED)
-
-    results = []
-    for case in [*attn_cases, *write_cases]:
-        print(f"{case.name}: {case.shape} ...", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        try:
-            if isinstance(case, AttentionCase):
-                r = measure_attention(case, s, ta)
-            else:
-                r = measure_write(case, s, ta)
-        except Exception as e:  # noqa: BLE001 - record it and go on with the other cases
-            import traceback
-
-            traceback.print_exc()
-            r = {"case": case.name, "kind": getattr(case, "kind", "kv-write"), "shape": case.shape,
-                 "error": f"{type(e).__name__}: {e}", "verified": False}
-        r["seconds"] = round(time.perf_counter() - t0, 2)
-        results.append(r)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    from bench.decode import machine_info
-
-    machine = {**machine_info(args.device), **gpu_info(device)}
-    gpu_name = machine.get("gpu") or ""
+    results = [run_case(case, s, ta) for case in _select_cases(args)]
+    head = record.head(**gpu_info(device))
     report = {
-        "benchmark": "attention-kernels",
-        "schema_version": 1,
-        "started_at": started.astimezone().isoformat(timespec="seconds"),
-        "run_stamp": started.strftime("%Y%m%d-%H%M%S"),
-        "duration_seconds": round((dt.datetime.now() - started).total_seconds(), 2),
-        "machine": machine,
-        "settings": {
-            "device": args.device,
-            "dtype": "bfloat16",
-            "tiny": args.tiny,
-            "interpreted": bool(ta._INTERPRETING),
-            "warmup_ms": args.warmup_ms,
-            "rep_ms": args.rep_ms,
-            "timing": ("median of CUDA-event-timed calls, 256 MiB L2 flush before each"
-                       if device.type == "cuda" else "host wall clock under the interpreter: not a measurement"),
-            "peak_gbps": args.peak_gbps,
-            "peak_tflops": args.peak_tflops,
-            "peaks_note": ("H200 figures measured on this workplace" if "H200" in gpu_name
-                           else "H200 figures; this device is not an H200"),
-            "tolerance": TOLERANCE,
-            "seed": SEED,
-            "notes": [
-                "block tables are a random permutation of the cache's blocks; unused slots are NaN",
-                "prefill FLOPs: 2*2*T*T/2*heads*head_dim per request (QK^T and PV, causal half)",
-                "decode bytes: sum(seq_lens)*kv_heads*head_dim*2 (K,V)*itemsize + q + out + indices",
-                "SDPA runs on dense, unpaged [R, H, L, D] tensors with torch's default backend choice",
-            ],
-        },
+        **head,
+        "settings": _settings_record(args, bool(ta._INTERPRETING), head["machine"].get("gpu") or ""),
         "results": results,
         "verified": all(r.get("verified") for r in results),
     }
-    print(render_safe(report))
-    if not args.no_json:
-        paths = write_report(report, args.out)
-        shown = [os.path.relpath(p) if not os.path.relpath(p).startswith("..") else str(p) for p in paths]
-        print(f"\nresults: {shown[0]}\n         {shown[1]}")
+    publish(report, "attention-kernels", render_safe(report), None if args.no_json else args.out)
     if not report["verified"]:
         failed = [r["case"] for r in results if not r.get("verified")]
         print(f"\nFAILED checks: {', '.join(failed)}", file=sys.stderr)

@@ -6,14 +6,16 @@ move (target: 24 layers <= 1.5x 2 layers). Each load runs in a fresh process wit
 an empty compile cache.
 
     python -m bench.compile_scaling [-O 2]
+    python -m bench.compile_scaling --shape qwen3-tiny --layers 1,2 -O 1    # smoke test
+
+It prints a table and writes JSON to ``bench/results/compile-scaling-cpu-<stamp>.json``
+(and ``compile-scaling-cpu-latest.json``).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -21,7 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.decode import DEFAULT_OUT_DIR, _path_placeholders, machine_info, scrub_paths
+from bench.common.models import DEFAULT_SHAPE, SHAPES, save_random_checkpoint
+from bench.common.report import RESULTS_DIR, RunRecord, fmt, format_table, publish
 
 CHILD = r"""
 import json, sys
@@ -30,65 +33,78 @@ rt = Runtime.load(sys.argv[1], optimization_level=int(sys.argv[2]), cache_dir=sy
 r = rt.startup_report
 print(json.dumps({k: r[k] for k in ("phases", "total_seconds", "inductor_compiles", "pieces", "unique_pieces")}))
 """
+TARGET_RATIO_MAX = 1.5
 
 
-def build(path: Path, layers: int) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _cold_load(model: Path, level: int, cache_dir: Path) -> dict[str, Any]:
+    """The startup report of ``Runtime.load`` in a fresh process with an empty cache."""
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(model), str(level), str(cache_dir)],
+                          capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-3000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
-                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
-                         tie_word_embeddings=True, rms_norm_eps=1e-5)
-    config.architectures = ["LlamaForCausalLM"]
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(str(path))
+
+def measure(shape_name: str, depths: tuple[int, int], level: int) -> dict[int, dict[str, Any]]:
+    """Build the shape at each depth (random weights) and cold-load it; the
+    startup reports by depth."""
+    work = Path(tempfile.mkdtemp(prefix="kiln-scaling-"))
+    results: dict[int, dict[str, Any]] = {}
+    try:
+        for layers in depths:
+            model = work / f"l{layers}"
+            save_random_checkpoint(SHAPES[shape_name], model, num_hidden_layers=layers)
+            results[layers] = _cold_load(model, level, work / f"c{layers}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def render(report: dict[str, Any]) -> str:
+    rows = [[n, fmt(report["cold_compile_seconds"][n], 2, "s"), str(r["inductor_compiles"]), str(r["pieces"]),
+             str(r["unique_pieces"])] for n, r in report["results"].items()]
+    shallow, deep = report["results"]
+    ratio = report[f"ratio_{deep}_over_{shallow}"]
+    return "\n".join([
+        f"cold compile at -O{report['level']} (trace + split + Inductor), width of {report['width']}",
+        "",
+        format_table(["layers", "cold compile", "Inductor compilations", "pieces", "unique pieces"], rows),
+        "",
+        f"{deep} / {shallow} = {ratio:.2f}x (target <= {TARGET_RATIO_MAX}x); "
+        f"same Inductor compilations: {report['same_inductor_compiles']}",
+    ])
+
+
+def _depths(text: str) -> tuple[int, int]:
+    depths = tuple(int(x) for x in text.split(","))
+    if len(depths) != 2 or not 0 < depths[0] < depths[1]:
+        raise argparse.ArgumentTypeError("two depths, shallow then deep, e.g. 2,24")
+    return depths  # type: ignore[return-value]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.compile_scaling")
     p.add_argument("-O", dest="level", type=int, default=2, choices=[1, 2, 3])
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT_DIR)
+    p.add_argument("--shape", choices=list(SHAPES), default=DEFAULT_SHAPE,
+                   help=f"the width to build (default {DEFAULT_SHAPE}; qwen3-tiny is for smoke tests)")
+    p.add_argument("--layers", type=_depths, default=(2, 24), help="the two depths (default 2,24)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="kiln-scaling-"))
-    results: dict[int, Any] = {}
-    try:
-        for layers in (2, 24):
-            model = work / f"l{layers}"
-            build(model, layers)
-            proc = subprocess.run([sys.executable, "-c", CHILD, str(model), str(args.level), str(work / f"c{layers}")],
-                                  capture_output=True, text=True, timeout=3600)
-            if proc.returncode != 0:
-                raise RuntimeError(proc.stderr[-3000:])
-            results[layers] = json.loads(proc.stdout.strip().splitlines()[-1])
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    cold = {n: r["phases"]["trace"] + r["phases"]["split"] + r["phases"]["compile"] for n, r in results.items()}
-    now = dt.datetime.now(dt.timezone.utc)
+    record = RunRecord("compile_scaling", "cpu")
+    results = measure(args.shape, args.layers, args.level)
+    cold = {str(n): r["phases"]["trace"] + r["phases"]["split"] + r["phases"]["compile"] for n, r in results.items()}
+    shallow, deep = args.layers
     report = {
-        "benchmark": "compile_scaling",
-        "started_at": now.isoformat(timespec="seconds"),
-        "machine": machine_info("cpu"),
+        **record.head(),
         "level": args.level,
-        "width": "SmolLM2-135M (hidden 576, 9/3 heads, intermediate 1536, vocab 49152)",
+        "width": SHAPES[args.shape].describe_width(),
         "results": {str(n): r for n, r in results.items()},
-        "cold_compile_seconds": {str(n): s for n, s in cold.items()},
-        "ratio_24_over_2": cold[24] / cold[2],
-        "same_inductor_compiles": results[2]["inductor_compiles"] == results[24]["inductor_compiles"],
-        "target_ratio_max": 1.5,
+        "cold_compile_seconds": cold,
+        f"ratio_{deep}_over_{shallow}": cold[str(deep)] / cold[str(shallow)],
+        "same_inductor_compiles": results[shallow]["inductor_compiles"] == results[deep]["inductor_compiles"],
+        "target_ratio_max": TARGET_RATIO_MAX,
     }
-    print(f"cold compile at -O{args.level} (trace + split + Inductor), SmolLM2-135M width:")
-    for n in (2, 24):
-        r = results[n]
-        print(f"  {n:2d} layers: {cold[n]:7.2f} s, {r['inductor_compiles']} Inductor compilations, "
-              f"{r['pieces']} pieces ({r['unique_pieces']} unique)")
-    print(f"  24 / 2 = {report['ratio_24_over_2']:.2f}x (target <= 1.5x)")
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = now.strftime("%Y%m%d-%H%M%S")
-    text = json.dumps(scrub_paths(report, _path_placeholders()), indent=2) + "\n"
-    for name in (f"compile-scaling-cpu-{stamp}.json", "compile-scaling-cpu-latest.json"):
-        tmp = args.out / (name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, args.out / name)
+    publish(report, "compile-scaling", render(report), args.out)
     return 0
 
 

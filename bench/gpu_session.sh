@@ -187,7 +187,7 @@ fi
 # ------------------------------------------------ benchmark model, in background
 say "building the $SHAPE benchmark model in the background (log in session.log after pytest)"
 timeout "$T_BUILD" "$PY" -c "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout); \
-from bench.decode import ensure_shape_model; ensure_shape_model('$SHAPE')" >"$WORK/build.log" 2>&1 &
+from bench.common.models import ensure_shape_model; ensure_shape_model('$SHAPE')" >"$WORK/build.log" 2>&1 &
 BUILD_PID=$!
 
 # ------------------------------------------------------------------- (a) pytest

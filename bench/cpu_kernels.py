@@ -1,0 +1,287 @@
+"""CPU micro-benchmarks behind two of kiln's design choices.
+
+Run from the repository root::
+
+    python -m bench.cpu_kernels                    # both, 2 threads
+    python -m bench.cpu_kernels --only gemv
+    python -m bench.cpu_kernels --smoke            # a check of this script: few calls, one small case
+
+* ``op-overhead``: the cost per call of reaching kiln's attention op through the
+  torch dispatcher (``torch.ops.kiln.attention``) against calling its Python
+  implementation directly (``EAGER_IMPLEMENTATIONS["kiln::attention"]``, what
+  compiled attention pieces call) and through ``attend`` (what eager model code
+  calls); and of the same implementation registered with
+  ``@torch.library.custom_op``, to show why kiln registers its op with
+  ``torch.library.Library``. The calls run in a forward context without
+  attention metadata, where the implementation only zeroes ``out`` (decode
+  shapes of SmolLM2-135M), so what is timed is the calling overhead. Every
+  layer of every eager step pays it once.
+* ``gemv``: a linear layer at 1, 2 and 4 tokens on the fp32 weights of
+  SmolLM2-135M (LM head [49152, 576], gate/up [3072, 576], down [576, 1536]):
+  ``F.linear`` (BLAS ``mm``) against the reduction ``(x[:, None, :] * W).sum(-1)``
+  compiled by Inductor, which is how kiln's exact-size CPU pieces run small
+  token counts (``kiln.compiler.gemv``). Reported in ms and GB/s (weight bytes
+  over time: at these sizes the weight is the traffic). Each case cycles through
+  copies of its weight filling 256 MiB, more than the last-level cache, as a
+  decode step touches each layer's weights once: a weight served from cache
+  would flatter both.
+
+Timings are medians over batches of back-to-back calls on the host clock
+(``bench.common.harness.time_per_call``). Each benchmark writes its JSON to
+``bench/results/<name>-cpu-<stamp>.json`` and ``<name>-cpu-latest.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bench.common.harness import time_per_call
+from bench.common.models import SMOLLM2_135M_SHAPE
+from bench.common.report import RESULTS_DIR, RunRecord, fmt, format_table, publish
+
+BENCHMARKS = ("op-overhead", "gemv")
+SMOLLM2 = SMOLLM2_135M_SHAPE  # the decode shapes measured are this model's
+HEAD_DIM = SMOLLM2["hidden_size"] // SMOLLM2["num_attention_heads"]
+# name -> [out_features, in_features] of SmolLM2-135M's linear layers
+GEMV_WEIGHTS: dict[str, tuple[int, int]] = {
+    "lm_head": (SMOLLM2["vocab_size"], SMOLLM2["hidden_size"]),
+    "gate_up": (2 * SMOLLM2["intermediate_size"], SMOLLM2["hidden_size"]),
+    "down": (SMOLLM2["hidden_size"], SMOLLM2["intermediate_size"]),
+}
+GEMV_TOKENS = (1, 2, 4)
+ROTATION_BYTES = 256 * 2**20  # weight copies cycled through per case: more than the last-level cache
+
+
+# -------------------------------------------------------------------- op overhead
+
+
+@functools.cache
+def custom_op_attention() -> Callable[..., None]:
+    """kiln's attention implementation registered the other way, with
+    ``@torch.library.custom_op`` (as ``kiln_bench::attention``)."""
+    from kiln.attention.op import EAGER_IMPLEMENTATIONS
+
+    impl = EAGER_IMPLEMENTATIONS["kiln::attention"]
+
+    @torch.library.custom_op("kiln_bench::attention", mutates_args=("out",))
+    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+                  layer_idx: int, scale: float, sliding_window: int) -> None:
+        impl(query, key, value, out, layer_idx, scale, sliding_window)
+
+    return torch.ops.kiln_bench.attention
+
+
+def _op_calls() -> dict[str, tuple[str, Callable[..., None]]]:
+    """name -> (what is called, the callable), all with kiln's op signature."""
+    from kiln.attention.op import EAGER_IMPLEMENTATIONS, attend
+
+    return {
+        "direct": ('EAGER_IMPLEMENTATIONS["kiln::attention"](...)', EAGER_IMPLEMENTATIONS["kiln::attention"]),
+        "attend": ("kiln.attention.op.attend(...) (eager model code)", attend),
+        "dispatcher": ("torch.ops.kiln.attention(...) (torch.library.Library)", torch.ops.kiln.attention),
+        "custom_op": ("torch.ops.kiln_bench.attention(...) (@torch.library.custom_op)", custom_op_attention()),
+    }
+
+
+def measure_op_overhead(repeats: int, batch_seconds: float) -> list[dict[str, Any]]:
+    """Microseconds per call of each way of calling the attention op, in a forward
+    context without metadata (the implementation only zeroes ``out``)."""
+    from kiln.forward_context import ForwardContext, set_forward_context
+
+    q = torch.randn(1, SMOLLM2["num_attention_heads"], HEAD_DIM)
+    k = torch.randn(1, SMOLLM2["num_key_value_heads"], HEAD_DIM)
+    v = torch.randn_like(k)
+    out = torch.empty_like(q)
+    scale = HEAD_DIM**-0.5
+    rows = []
+    with set_forward_context(ForwardContext(attn_metadata=None, kv_caches=[])), torch.inference_mode():
+        for name, (call, fn) in _op_calls().items():
+            t = time_per_call(lambda fn=fn: fn(q, k, v, out, 0, scale, 0), repeats=repeats,
+                              min_batch_seconds=batch_seconds)
+            rows.append({"name": name, "call": call, **_in_us(t)})
+    direct = rows[0]["median_us"]
+    for r in rows:
+        r["over_direct_us"] = r["median_us"] - direct
+        r["over_direct_per_step_us"] = r["over_direct_us"] * SMOLLM2["num_hidden_layers"]
+    return rows
+
+
+def _in_us(timing: dict[str, Any]) -> dict[str, Any]:
+    """A :func:`time_per_call` result with its times (``*_ms``) in microseconds (``*_us``)."""
+    out: dict[str, Any] = {}
+    for key, value in timing.items():
+        if key.endswith("_ms"):
+            out[key.removesuffix("_ms") + "_us"] = value * 1e3
+        else:
+            out[key] = value
+    return out
+
+
+def op_overhead_report(args: argparse.Namespace) -> dict[str, Any]:
+    record = RunRecord("op-overhead", "cpu")
+    rows = measure_op_overhead(args.repeats, 0.01 if args.smoke else 0.2)
+    return {
+        **record.head(),
+        "settings": {
+            "smoke": args.smoke,
+            "shapes": {"query": [1, SMOLLM2["num_attention_heads"], HEAD_DIM],
+                       "key_value": [1, SMOLLM2["num_key_value_heads"], HEAD_DIM], "dtype": "float32"},
+            "forward_context": "attn_metadata None: the implementation zeroes out and returns",
+            "grad_mode": "torch.inference_mode, as kiln's runner",
+            "layers_per_step": SMOLLM2["num_hidden_layers"],
+            "statistic": "median over batches of the per-call time; over_direct: minus the direct call's median",
+        },
+        "results": rows,
+        "dispatcher_over_direct_us": next(r["over_direct_us"] for r in rows if r["name"] == "dispatcher"),
+        "custom_op_over_direct_us": next(r["over_direct_us"] for r in rows if r["name"] == "custom_op"),
+    }
+
+
+def render_op_overhead(report: dict[str, Any]) -> str:
+    layers = report["settings"]["layers_per_step"]
+    rows = [[r["name"], r["call"], fmt(r["median_us"]), fmt(r["p20_us"]), fmt(r["p80_us"]),
+             fmt(r["over_direct_us"]), fmt(r["over_direct_per_step_us"], 1)] for r in report["results"]]
+    return "\n".join([
+        f"attention op call overhead (CPU, decode shapes of SmolLM2-135M, {report['machine']['torch_threads']} "
+        "threads); the op only zeroes out",
+        "",
+        format_table(["way", "call", "median us", "p20 us", "p80 us", "over direct us",
+                      f"x {layers} layers us"], rows),
+    ])
+
+
+# --------------------------------------------------------------------------- gemv
+
+
+def gemv_reduction(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` as a broadcast multiply and a sum over the inner
+    dimension: the form Inductor turns into a vectorised, thread-split loop."""
+    return (x[:, None, :] * weight).sum(-1)
+
+
+def _rotating(weights: list[torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """A function returning the next weight copy each call."""
+    cycle = itertools.cycle(weights)
+    return lambda: next(cycle)
+
+
+def measure_gemv_case(name: str, shape: tuple[int, int], tokens: int, repeats: int,
+                      batch_seconds: float) -> dict[str, Any]:
+    """``F.linear`` against the compiled reduction on one weight shape and token
+    count; both cycle through the same weight copies."""
+    weight_bytes = math.prod(shape) * 4
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(shape, generator=gen) * 0.02
+               for _ in range(max(1, math.ceil(ROTATION_BYTES / weight_bytes)))]
+    x = torch.randn(tokens, shape[1], generator=gen)
+    torch.compiler.reset()  # a fresh compile per case: no recompile limit, no dynamic shapes
+    compiled = torch.compile(gemv_reduction, dynamic=False, fullgraph=True)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        got = compiled(x, weights[0])
+        compile_seconds = time.perf_counter() - t0
+        error = float((got - F.linear(x, weights[0])).abs().max())
+        nxt = _rotating(weights)
+        mm = time_per_call(lambda: F.linear(x, nxt()), repeats=repeats, min_batch_seconds=batch_seconds)
+        red = time_per_call(lambda: compiled(x, nxt()), repeats=repeats, min_batch_seconds=batch_seconds)
+    for t in (mm, red):
+        t["gb_per_s"] = weight_bytes / (t["median_ms"] / 1e3) / 1e9
+    return {"weight": name, "shape": list(shape), "tokens": tokens, "weight_bytes": weight_bytes,
+            "weight_copies": len(weights), "mm": {"call": "F.linear(x, W)", **mm},
+            "reduction": {"call": "torch.compile((x[:, None, :] * W).sum(-1))", **red,
+                          "compile_seconds": compile_seconds, "max_abs_error_vs_mm": error},
+            "mm_over_reduction_time": mm["median_ms"] / red["median_ms"]}
+
+
+def gemv_report(args: argparse.Namespace) -> dict[str, Any]:
+    record = RunRecord("gemv", "cpu")
+    weights = {"down": GEMV_WEIGHTS["down"]} if args.smoke else GEMV_WEIGHTS
+    tokens = GEMV_TOKENS[:1] if args.smoke else GEMV_TOKENS
+    batch_seconds = 0.02 if args.smoke else 0.1
+    results = []
+    for (name, shape), n in itertools.product(weights.items(), tokens):
+        print(f"gemv {name} {list(shape)} x {n} tokens ...", file=sys.stderr, flush=True)
+        results.append(measure_gemv_case(name, shape, n, args.repeats, batch_seconds))
+    return {
+        **record.head(),
+        "settings": {
+            "smoke": args.smoke,
+            "dtype": "float32",
+            "threads": torch.get_num_threads(),
+            "rotation_bytes": ROTATION_BYTES,
+            "statistic": "median over batches of the per-call time; GB/s = weight bytes / median time",
+            "compile": "torch.compile(dynamic=False, fullgraph=True), default Inductor mode, one per case; "
+                       "compile_seconds is its first call, which Inductor's on-disk cache may serve",
+            "grad_mode": "torch.inference_mode, as kiln's runner",
+        },
+        "results": results,
+    }
+
+
+def render_gemv(report: dict[str, Any]) -> str:
+    rows = [[r["weight"], "x".join(map(str, r["shape"])), str(r["tokens"]),
+             fmt(r["mm"]["median_ms"], 3), fmt(r["mm"]["gb_per_s"], 1),
+             fmt(r["reduction"]["median_ms"], 3), fmt(r["reduction"]["gb_per_s"], 1),
+             fmt(r["mm_over_reduction_time"], 2, "x"), f"{r['reduction']['max_abs_error_vs_mm']:.1e}"]
+            for r in report["results"]]
+    return "\n".join([
+        f"small-batch linear, fp32, CPU, {report['settings']['threads']} threads; weights cycled through "
+        f"{report['settings']['rotation_bytes'] // 2**20} MiB of copies",
+        "",
+        format_table(["weight", "shape", "tokens", "mm ms", "mm GB/s", "reduction ms", "reduction GB/s",
+                      "mm / reduction", "max abs err"], rows),
+    ])
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.cpu_kernels", description=__doc__.splitlines()[0])
+    p.add_argument("--only", default=",".join(BENCHMARKS),
+                   help=f"comma-separated benchmarks to run, of: {', '.join(BENCHMARKS)} (default both)")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed batches per figure (default 21; 3 with --smoke)")
+    p.add_argument("--smoke", action="store_true",
+                   help="a check of this script: short batches, gemv on one weight at 1 token")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory (default bench/results)")
+    args = p.parse_args(argv)
+    args.only = args.only.replace(",", " ").split()
+    unknown = [b for b in args.only if b not in BENCHMARKS]
+    if unknown:
+        p.error(f"unknown benchmark(s) {unknown}; known: {list(BENCHMARKS)}")
+    if args.repeats is None:
+        args.repeats = 3 if args.smoke else 21
+    if args.repeats < 1 or args.threads < 1:
+        p.error("--repeats and --threads must be at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if "op-overhead" in args.only:
+        report = op_overhead_report(args)
+        publish(report, "op-overhead", render_op_overhead(report), args.out)
+    if "gemv" in args.only:
+        if "op-overhead" in args.only:
+            print()
+        report = gemv_report(args)
+        publish(report, "gemv", render_gemv(report), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
