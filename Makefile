@@ -18,8 +18,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# The demo model (SmolLM2-135M-Instruct) is fetched once into kiln's cache; the
+# first run compiles it at -O2 (a few minutes on 2 cores), later runs load the
+# compiled pieces.
 demo: setup
-	$(VENV)/bin/kiln generate --model demo --prompt "Once upon a time" --max-tokens 48 --temperature 0
+	$(VENV)/bin/kiln fetch-demo
+	$(VENV)/bin/kiln generate --chat --prompt "What is the capital of France?"
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -151,9 +151,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]
 @pytest.fixture(scope="session")
 def demo_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo model (built once per session in a private cache dir)."""
-    from kiln.checkpoint.demo import ensure_demo_model
+    from kiln.checkpoint.demo import ensure_random_model
 
-    return ensure_demo_model(tmp_path_factory.mktemp("kiln-cache"))
+    return ensure_random_model(tmp_path_factory.mktemp("kiln-cache"))
 
 
 class RerunGraphs:

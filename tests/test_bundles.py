@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 from kiln import Runtime
+from kiln.checkpoint import CheckpointError
 from kiln.compiler.cached import FactorMismatchError
 from tests.conftest import fresh_env, kiln_cli, run_child
 from tests.test_cache import COMPILES
@@ -63,3 +64,37 @@ def test_bundle_mismatch_names_each_factor(bundle, tmp_path) -> None:
         Runtime.load(tampered, cache_dir=tmp_path)
     rt = Runtime.load(tampered, cache_dir=tmp_path / "user", on_mismatch="recompile")
     assert rt.startup_report["compile_cache"] == "miss" and rt.startup_report["inductor_compiles"] == 3
+
+
+def test_a_gguf_compiles_into_a_bundle_with_or_without_the_file(tmp_path) -> None:
+    """``kiln compile x.gguf``: with --include-weights the file travels in the
+    bundle; without, the bundle finds it where it was built, or at weights_path."""
+    from kiln import SamplingParams
+    from tests.conftest import build_hf_model, random_prompts
+    from tests.unit.test_gguf import hf_to_gguf, write_gguf
+
+    model = build_hf_model("qwen3", seed=5, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                           num_key_value_heads=1)
+    meta, tensors = hf_to_gguf(model, "qwen3")
+    (tmp_path / "src").mkdir()
+    source = write_gguf(tmp_path / "src" / "tiny.gguf", "qwen3", meta, tensors)
+    prompts = random_prompts(2, [4, 11], model.config.vocab_size, seed=3)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    expected = [o.token_ids for o in Runtime.load(source, optimization_level=0).generate(prompts, greedy)]
+    for include in (True, False):
+        out = tmp_path / f"bundle-{include}"
+        args = ["compile", str(source), "--out", str(out), "-O1"] + (["--include-weights"] if include else [])
+        proc = kiln_cli(args)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        manifest = json.loads((out / "kiln-bundle.json").read_text())
+        assert manifest["model"]["format"] == "gguf" and manifest["model"]["file"] == "tiny.gguf"
+        assert (out / "model" / "tiny.gguf").is_file() == include
+        rt = Runtime.load(out, cache_dir=tmp_path / "cache")
+        assert rt.startup_report["compile_cache"] == "bundle"
+        assert [o.token_ids for o in rt.generate(prompts, greedy)] == expected
+    moved = tmp_path / "elsewhere"
+    shutil.move(str(tmp_path / "src"), moved)
+    with pytest.raises(CheckpointError, match="built without weights and none were found"):
+        Runtime.load(tmp_path / "bundle-False", cache_dir=tmp_path / "cache")
+    rt = Runtime.load(tmp_path / "bundle-False", cache_dir=tmp_path / "cache", weights_path=moved)
+    assert [o.token_ids for o in rt.generate(prompts, greedy)] == expected

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kiln.checkpoint.demo import ensure_demo_model
+from kiln.checkpoint.demo import ensure_random_model
 
 
 def _kiln(args: list[str], cache: Path) -> subprocess.CompletedProcess:
@@ -21,7 +21,7 @@ def _kiln(args: list[str], cache: Path) -> subprocess.CompletedProcess:
 
 def test_generate_streams_demo_text_and_summary(demo_tokenizer_dir: Path) -> None:
     cache = demo_tokenizer_dir.parent.parent  # the session's cache dir already holds the demo
-    args = ["generate", "--prompt", "Hello", "--max-tokens", "12", "--ignore-eos", "-v"]
+    args = ["generate", "--model", "random-demo", "--prompt", "Hello", "--max-tokens", "12", "--ignore-eos", "-v"]
     eager = _kiln([*args, "-O0"], cache)
     assert eager.returncode == 0, eager.stderr
     assert eager.stdout.strip()
@@ -44,11 +44,11 @@ def test_cli_error_is_one_clean_line(tmp_path: Path) -> None:
 
 
 def test_demo_model_is_deterministic_and_reused(tmp_path: Path, demo_tokenizer_dir: Path) -> None:
-    again = ensure_demo_model(tmp_path)
+    again = ensure_random_model(tmp_path)
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (again / name).read_bytes() == (demo_tokenizer_dir / name).read_bytes(), name
     mtime = (again / "model.safetensors").stat().st_mtime_ns
-    assert ensure_demo_model(tmp_path) == again
+    assert ensure_random_model(tmp_path) == again
     assert (again / "model.safetensors").stat().st_mtime_ns == mtime
 
 

@@ -3,6 +3,8 @@ several threads on one Runtime, and API edges that must fail early and clearly."
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 
 import numpy as np
@@ -125,3 +127,49 @@ def test_unknown_request_ids(rt) -> None:
     with pytest.raises(RequestNotFoundError):
         rt.release(rid)
     rt.abort(rid)  # idempotent, as in vLLM
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+
+
+def test_chat_renders_the_template_and_streams_the_same(rt) -> None:
+    out = rt.chat(CHAT, PARAMS)
+    rendered = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert out.prompt_token_ids == rt.tokenizer.encode(rendered, add_special_tokens=False)
+    assert _collect(list(rt.stream_chat(CHAT, PARAMS))) == (out.text, out.token_ids, "length")
+
+
+@pytest.mark.parametrize(
+    "messages, match",
+    [
+        ([], "messages must be a non-empty list"),
+        ("hello", "messages must be a non-empty list"),
+        ([{"role": "user", "content": "a"}, "b"], r"messages\[1\] must be a dict"),
+        ([{"role": "wizard", "content": "a"}], r"messages\[0\]\.role must be one of"),
+        ([{"role": "user"}], r"messages\[0\]\.content is missing"),
+        ([{"role": "user", "content": 3}], r"messages\[0\]\.content must be a string or a list of text parts"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], r"messages\[0\]\.content\[0\] must be"),
+    ],
+)
+def test_bad_messages_name_the_index(rt, messages, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        rt.chat(messages)
+    assert not rt.has_unfinished()
+
+
+def test_generation_config_defaults_apply_when_the_caller_sets_none(llama_checkpoint, tmp_path) -> None:
+    path, _ = llama_checkpoint
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(path, ckpt)
+    (ckpt / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_k": 5, "top_p": "x"}))
+    rt = load_eager(ckpt)
+    assert rt.default_params() == SamplingParams(temperature=0.3, top_k=5)
+    assert rt.startup_report["config"]["sampling_defaults"] == {
+        "temperature": {"value": 0.3, "source": "generation_config.json"},
+        "top_k": {"value": 5, "source": "generation_config.json"},
+    }
+    rid = rt.add_request([1, 2, 3])  # no SamplingParams: the checkpoint's defaults
+    queued = rt.engine.scheduler.requests[rid].params
+    assert (queued.temperature, queued.top_k, queued.top_p) == (0.3, 5, 1.0)
+    rid = rt.add_request([1, 2, 3], SamplingParams(temperature=0))  # the caller's win
+    assert rt.engine.scheduler.requests[rid].params.temperature == 0

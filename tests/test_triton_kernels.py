@@ -2,7 +2,7 @@
 
 Without CUDA the kernels run under Triton's interpreter on CPU tensors. Triton
 picks interpreter vs. compiler when ``@triton.jit`` decorates a kernel, i.e. when
-``kiln.kernels.triton_attention`` is imported, so ``TRITON_INTERPRET`` is set first.
+``kiln.attention.triton_kernels`` is imported, so ``TRITON_INTERPRET`` is set first.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kiln.attention import triton_kernels as ta
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu" and not ta._INTERPRETING:
     raise RuntimeError(
-        "kiln.kernels.triton_attention was imported before TRITON_INTERPRET=1 was set; "
+        "kiln.attention.triton_kernels was imported before TRITON_INTERPRET=1 was set; "
         "without CUDA its kernels can only run under the interpreter"
     )
 

@@ -8,7 +8,9 @@ Layout::
     DIR/inductor/          the compiled kernels the artifacts need (on CPU exactly
                            those the entry lists; on GPU the build's Inductor cache)
     DIR/model/             config, generation config, tokenizer, and with
-                           --include-weights the weights
+                           --include-weights the weights (a GGUF: with
+                           --include-weights the file, which holds all of them;
+                           without, the manifest records where it is)
 
 Every path inside is relative, so the directory can be moved, copied or mounted
 read-only; whatever loading must write goes to a temporary directory.
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.cache.store import MANIFEST, atomic_write_json, checksum_tree
-from kiln.checkpoint import CheckpointError
+from kiln.checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from kiln.version import __version__
 
 __all__ = ["BUNDLE_MANIFEST", "Bundle", "BuildRecord", "read_bundle", "write_bundle"]
@@ -52,8 +54,9 @@ class BuildRecord:
     dtype: str
     max_num_batched_tokens: int
     architecture: str
+    checkpoint_format: str  # "hf" or "gguf"
     metadata_files: list[Path]  # config, generation config, tokenizer
-    weight_files: list[Path]
+    weight_files: list[Path]  # for a GGUF: the one file, which holds the config too
     weights_source: Path  # where the weights are, recorded for a bundle without them
 
 
@@ -76,17 +79,20 @@ class Bundle:
     def model_dir(self) -> Path:
         return self.path / BUNDLE_MODEL_DIR
 
-    def weights_dir(self, weights_path: Path | None) -> Path:
-        """Where the weights are: in the bundle, at ``weights_path``, or where
-        they were when the bundle was built."""
-        if self.manifest["model"]["includes_weights"]:
-            return self.model_dir
-        candidates = [weights_path] if weights_path else []
-        if self.manifest["model"].get("source"):
-            candidates.append(Path(self.manifest["model"]["source"]))
+    def checkpoint(self, weights_path: Path | None) -> Checkpoint:
+        """The bundled model: config and tokenizer from the bundle, weights from
+        it too, else from ``weights_path``, else from where they were when the
+        bundle was built."""
+        model = self.manifest["model"]
+        gguf = model.get("format") == "gguf"
+        if model["includes_weights"]:
+            return open_checkpoint(self.model_dir / model["file"]) if gguf else open_checkpoint(self.model_dir)
+        candidates = [c for c in (weights_path, Path(model["source"]) if model.get("source") else None) if c]
         for c in candidates:
-            if c.is_dir() and any(c.glob("*.safetensors")):
-                return c
+            if gguf and c.is_dir():
+                c = c / model["file"]
+            if (gguf and c.is_file()) or (not gguf and c.is_dir() and any(c.glob("*.safetensors"))):
+                return open_checkpoint(c) if gguf else open_checkpoint(self.model_dir, weights=c)
         tried = ", ".join(str(c) for c in candidates) or "nothing"
         raise CheckpointError(
             f"bundle {self.path} was built without weights and none were found (tried {tried}); "
@@ -142,6 +148,8 @@ def _fill(tmp: Path, record: BuildRecord, include_weights: bool) -> None:
         "engine": {"max_num_batched_tokens": record.max_num_batched_tokens},
         "model": {
             "architecture": record.architecture,
+            "format": record.checkpoint_format,
+            "file": record.weight_files[0].name if record.checkpoint_format == "gguf" else None,
             "includes_weights": include_weights,
             "source": str(record.weights_source.resolve()),
         },

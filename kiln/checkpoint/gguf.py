@@ -666,6 +666,8 @@ class GGUFReader(CheckpointReader):
 class GGUFCheckpoint(Checkpoint):
     """A single ``.gguf`` file: config, tokenizer and weights together."""
 
+    format = "gguf"
+
     def __init__(self, path: Path) -> None:
         if not path.is_file():
             raise CheckpointError(f"model path {path} is not a file")
@@ -730,6 +732,10 @@ class GGUFCheckpoint(Checkpoint):
     @property
     def weights_dir(self) -> Path:
         return self.path.parent
+
+    @property
+    def weights_source(self) -> Path:
+        return self.path
 
     def identity(self) -> dict[str, Any]:
         return dict(self._parsed().identity)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -60,6 +60,7 @@ class CheckpointReader(abc.ABC):
 class Checkpoint(abc.ABC):
     """A model's files, however they are stored."""
 
+    format: ClassVar[str]  # "hf" (a directory with config.json and safetensors) or "gguf"
     path: Path  # what the user named (a directory or a file)
 
     @abc.abstractmethod
@@ -98,6 +99,12 @@ class Checkpoint(abc.ABC):
     @abc.abstractmethod
     def weights_dir(self) -> Path:
         """The directory the weight files are in."""
+
+    @property
+    def weights_source(self) -> Path:
+        """What a bundle built without weights records, to find them again: the
+        weights' directory (a GGUF: its file)."""
+        return self.weights_dir
 
     def identity(self) -> dict[str, Any]:
         """What the compiled code depends on beyond the config, for cache keys.

@@ -104,6 +104,8 @@ class HFCheckpoint(Checkpoint):
     """A Hugging Face checkpoint directory. ``weights`` is where the safetensors
     live when they are apart from the config (a bundle built without weights)."""
 
+    format = "hf"
+
     def __init__(self, path: Path, weights: Path | None = None) -> None:
         if not path.is_dir():
             raise CheckpointError(f"model path {path} is not a directory")

@@ -39,13 +39,16 @@ class ResolvedConfig:
     # one engine setting.
     rope_positions: int
     eos_token_ids: tuple[int, ...]
+    # what compiled code depends on beyond the model config (a GGUF's tensor layout)
+    checkpoint_identity: dict[str, Any]
     # SamplingParams fields the checkpoint sets for callers that set none, and
     # where each came from ({"temperature": (0.2, "generation_config.json")})
     sampling_defaults: dict[str, tuple[Any, str]]
 
     def cache_factors(self) -> dict[str, Any]:
         """What the compiled code depends on (the cache key's input)."""
-        model_fields = {**self.model.key_fields(), "rope_positions": self.rope_positions}
+        model_fields = {**self.model.key_fields(), "rope_positions": self.rope_positions,
+                        "checkpoint": self.checkpoint_identity}
         return cache_factors(model_fields, self.dtype, self.compilation.to_dict(), self.device)
 
     def to_dict(self) -> dict[str, Any]:

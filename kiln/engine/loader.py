@@ -24,6 +24,7 @@ import torch
 from kiln.attention.backend import create_attention_backend, resolve_attention_backend
 from kiln.cache.bundle import Bundle, BuildRecord, read_bundle
 from kiln.checkpoint import Checkpoint, open_checkpoint
+from kiln.checkpoint.names import resolve_model_name
 from kiln.config import DEFAULT_LEVEL, CompilationConfig, CUDAGraphMode, EngineConfig, default_cache_dir
 from kiln.engine.block_pool import BlockPool
 from kiln.engine.config import (
@@ -37,7 +38,7 @@ from kiln.engine.core import Engine
 from kiln.engine.runner import CaptureReport, ModelRunner
 from kiln.engine.scheduler import Scheduler
 from kiln.graphs import CUDAGraphDispatcher, TorchCUDAGraphs
-from kiln.models import CausalLM, build_model, parse_model_config
+from kiln.models import CausalLM, build_model, parse_dtype, parse_model_config
 
 if TYPE_CHECKING:
     from kiln.compiler.cached import CompiledEntry
@@ -47,7 +48,6 @@ __all__ = ["LoadOptions", "LoadedEngine", "build_compiled", "load_engine", "pars
 
 logger = logging.getLogger(__name__)
 
-_ENGINE_FIELDS = {"kv_cache_memory_bytes", "gpu_memory_utilization", "seed"}
 _LOAD_FIELDS = {"on_mismatch", "weights_path"}
 _COMPILATION_FIELDS = {"compile_sizes", "splitting_ops", "inductor_options", "cudagraph_mode",
                        "cudagraph_capture_sizes"}
@@ -80,7 +80,7 @@ class LoadOptions:
     path: str
     optimization_level: int | None
     device: torch.device
-    dtype: torch.dtype | str | None
+    dtype: torch.dtype | None  # None: the checkpoint's (or the bundle's)
     engine: EngineConfig
     compilation: dict[str, Any]  # the compilation fields the user set
     cache_dir: Path
@@ -106,32 +106,30 @@ def _resolve_device(device: "str | torch.device | None") -> torch.device:
 def parse_options(path: "str | Path", *, optimization_level: int | None = None, device: Any = None,
                   dtype: Any = None, cache_dir: "str | Path | None" = None, attention_backend: str | None = None,
                   **fields_: Any) -> LoadOptions:
-    """Check every option (types included) before anything loads."""
-    engine_names = {f.name for f in fields(EngineConfig)} - _ENGINE_FIELDS
-    known = engine_names | _ENGINE_FIELDS | _COMPILATION_FIELDS | _LOAD_FIELDS
+    """Check every option (types included) before anything loads; ``fields_``
+    are EngineConfig fields, compilation fields and the bundle options."""
+    engine_fields = {f.name for f in fields(EngineConfig)}
+    known = engine_fields | _COMPILATION_FIELDS | _LOAD_FIELDS
     unknown = set(fields_) - known
     if unknown:
         raise TypeError(f"Runtime.load() got unknown option(s) {sorted(unknown)}; known: {sorted(known)}")
-    on_mismatch = fields_.pop("on_mismatch", "error")
+    on_mismatch = fields_.get("on_mismatch") or "error"
     if on_mismatch not in ("error", "recompile"):
         raise ValueError(f"on_mismatch must be 'error' or 'recompile', got {on_mismatch!r}")
-    if dtype is not None:
-        from kiln.models import parse_dtype
-
-        parse_dtype(dtype)  # raises for an unknown name
     if optimization_level is not None:
         CompilationConfig(level=optimization_level)  # raises for an unknown level
     compilation = {k: v for k, v in fields_.items() if k in _COMPILATION_FIELDS and v is not None}
     CompilationConfig(**compilation)  # raises naming a bad field
-    weights_path = fields_.pop("weights_path", None)
     dev = _resolve_device(device)
+    weights_path = fields_.get("weights_path")
     return LoadOptions(
-        path=str(path), optimization_level=optimization_level, device=dev, dtype=dtype,
-        engine=EngineConfig(**{k: v for k, v in fields_.items() if k in engine_names | _ENGINE_FIELDS and v is not None}),
+        path=str(path), optimization_level=optimization_level, device=dev,
+        dtype=parse_dtype(dtype) if dtype is not None else None,
+        engine=EngineConfig(**{k: v for k, v in fields_.items() if k in engine_fields and v is not None}),
         compilation=compilation,
         cache_dir=Path(cache_dir).expanduser() if cache_dir else default_cache_dir(),
         attention_backend=resolve_attention_backend(attention_backend, dev), on_mismatch=on_mismatch,
-        weights_path=Path(weights_path) if weights_path else None,
+        weights_path=Path(weights_path).expanduser() if weights_path else None,
     )
 
 
@@ -146,17 +144,11 @@ class ModelSource:
 
 
 def open_source(options: LoadOptions, phases: Phases) -> ModelSource:
-    path = options.path
-    if path == "demo":
-        from kiln.checkpoint.demo import ensure_demo_model
-
-        with phases("build_demo"):
-            path = str(ensure_demo_model(options.cache_dir))
-    bundle = read_bundle(Path(path))
-    if bundle is not None:
-        checkpoint = open_checkpoint(bundle.model_dir, weights=bundle.weights_dir(options.weights_path))
-    else:
-        checkpoint = open_checkpoint(Path(path))
+    """The path, demo name or Hugging Face repo id (local cache only), opened."""
+    with phases("open_source"):
+        path = resolve_model_name(options.path, options.cache_dir)
+        bundle = read_bundle(path) if path.is_dir() else None
+        checkpoint = bundle.checkpoint(options.weights_path) if bundle is not None else open_checkpoint(path)
     with phases("load_tokenizer"):
         tokenizer = checkpoint.load_tokenizer()
     return ModelSource(checkpoint, bundle, tokenizer)
@@ -203,6 +195,7 @@ def resolve_config(source: ModelSource, options: LoadOptions) -> ResolvedConfig:
         num_kv_blocks=sizes.num_kv_blocks, kv_cache_memory_bytes=user.kv_cache_memory_bytes,
         gpu_memory_utilization=user.gpu_memory_utilization, seed=user.seed,
         rope_positions=max(model.max_position_embeddings, sizes.max_model_len), eos_token_ids=eos,
+        checkpoint_identity=source.checkpoint.identity(),
         sampling_defaults=sampling_defaults(source.checkpoint.generation_config(),
                                             source.checkpoint.generation_config_source()),
     )
@@ -407,8 +400,8 @@ def build_compiled(path: "str | Path", cache_root: Path, **kwargs: Any) -> tuple
         entry=compiled.entry, inductor_dir=compiled.inductor_dir, factors=config.cache_factors(),
         compilation=config.compilation.to_dict(), dtype=str(config.dtype).removeprefix("torch."),
         max_num_batched_tokens=config.max_num_batched_tokens, architecture=config.model.architecture,
-        metadata_files=checkpoint.metadata_files(), weight_files=checkpoint.weight_files(),
-        weights_source=checkpoint.weights_dir,
+        checkpoint_format=checkpoint.format, metadata_files=checkpoint.metadata_files(),
+        weight_files=checkpoint.weight_files(), weights_source=checkpoint.weights_source,
     )
     report = {"phases": phases.seconds, "total_seconds": phases.total(), "optimization_level": config.compilation.level,
               **_compile_report(compiled.stats)}

@@ -1,18 +1,23 @@
-"""The ``kiln`` command line."""
+"""The ``kiln`` command line: generate, chat, compile, cache, fetch-demo."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from kiln.config import DEFAULT_LEVEL, CUDAGraphMode
 
 __all__ = ["main"]
+
+MODEL_HELP = ("a checkpoint directory, a .gguf file, a bundle from `kiln compile`, a Hugging Face repo id "
+              "in the local cache, 'demo' (SmolLM2-135M-Instruct, after `kiln fetch-demo`) or 'random-demo'")
 
 
 def _sizes(text: str) -> list[int]:
@@ -35,38 +40,45 @@ def _compilation_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
-def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
-    p.add_argument("--model", default="demo", help="checkpoint directory, bundle, or 'demo' (default)")
-    p.add_argument("--prompt", default="Once upon a time", help="prompt text")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
+def _add_model_options(p: argparse.ArgumentParser, levels: list[int]) -> None:
     p.add_argument(
-        "-O", dest="level", type=int, default=DEFAULT_LEVEL, choices=[0, 1, 2, 3],
-        help=f"optimization level (default {DEFAULT_LEVEL}): 0 eager, 1 compiled range, 2 + exact sizes, 3 + autotuning",
+        "-O", dest="level", type=int, default=None, choices=levels,
+        help=f"optimization level (default {DEFAULT_LEVEL}, or a bundle's): 0 eager, 1 compiled range, "
+             "2 + exact sizes, 3 + autotuning",
     )
     p.add_argument("--compile-sizes", type=_sizes, default=None, metavar="N,N,...",
                    help="token counts compiled exactly (default: the level's)")
     p.add_argument("--cudagraph-mode", default=None, choices=[m.value for m in CUDAGraphMode],
                    help="CUDA graph mode (GPU only; default: the level's)")
-    p.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"],
-                   help="attention kernels (default: $KILN_ATTENTION_BACKEND, else auto: triton on CUDA, torch on CPU)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
-    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress and print reports")
+
+
+def _add_run_options(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    """A model to run, and how to sample it."""
+    p.add_argument("--model", default="demo", help=f"{MODEL_HELP} (default 'demo')")
+    _add_model_options(p, [0, 1, 2, 3])
+    p.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"],
+                   help="attention kernels (default: $KILN_ATTENTION_BACKEND, else auto: triton on CUDA, torch on CPU)")
+    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--cache-dir", default=None, help="kiln's cache directory")
-    p.add_argument("-v", "--verbose", action="store_true", help="log progress and print the startup report")
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default {max_tokens})")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
 
 
-def _validate_flags(params: Any) -> None:
-    """SamplingParams.validate, with its messages naming the command-line flags."""
-    import dataclasses
+def _sampling_params(args: argparse.Namespace) -> Any:
+    """The sampling flags as SamplingParams, checked before anything loads (a bad
+    flag must not wait for a compile); errors name the flag."""
+    from kiln import SamplingParams
 
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
     try:
         params.validate("SamplingParams")
     except ValueError as e:
@@ -74,40 +86,30 @@ def _validate_flags(params: Any) -> None:
         for f in dataclasses.fields(params):
             message = message.replace(f"SamplingParams.{f.name}", "--" + f.name.replace("_", "-"))
         raise ValueError(message) from None
+    return params
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from kiln import Runtime, SamplingParams
+def _load(args: argparse.Namespace) -> Any:
+    from kiln import Runtime
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-    )
-    _validate_flags(params)  # before loading: a bad flag must not wait for a compile
     rt = Runtime.load(
-        args.model,
-        optimization_level=args.level,
-        device=args.device,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        cache_dir=args.cache_dir,
-        attention_backend=args.attention_backend,
-        **_compilation_overrides(args),
+        args.model, optimization_level=args.level, device=args.device, dtype=args.dtype,
+        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+        cache_dir=args.cache_dir, attention_backend=args.attention_backend, **_compilation_overrides(args),
     )
     if args.verbose:
         print(json.dumps(rt.startup_report, indent=2), file=sys.stderr)
+    return rt
+
+
+def _generate(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)
+    rt = _load(args)
     t0 = time.perf_counter()
-    first = None
-    n = 0
-    reason = None
-    for delta in rt.stream(args.prompt, params):
-        if first is None:
-            first = time.perf_counter()
+    first, n, reason = None, 0, None
+    messages = [{"role": "user", "content": args.prompt}]
+    for delta in rt.stream_chat(messages, params) if args.chat else rt.stream(args.prompt, params):
+        first = first or time.perf_counter()
         n += len(delta.token_ids)
         reason = delta.finish_reason
         sys.stdout.write(delta.text)
@@ -117,33 +119,28 @@ def _generate(args: argparse.Namespace) -> int:
     decode_rate = (n - 1) / (time.perf_counter() - first) if first and n > 1 else 0.0
     print(
         f"kiln: {n} tokens in {elapsed:.2f}s ({n / elapsed if elapsed else 0:.1f} tok/s, "
-        f"decode {decode_rate:.1f} tok/s), finish={reason}, "
-        f"startup {rt.startup_report['total_seconds']:.2f}s, -O{rt.startup_report['optimization_level']} "
-        f"on {rt.device}",
+        f"decode {decode_rate:.1f} tok/s), finish={reason}, startup {rt.startup_report['total_seconds']:.2f}s, "
+        f"-O{rt.startup_report['optimization_level']} on {rt.device}",
         file=sys.stderr,
     )
     return 0
 
 
-def _add_compile(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("compile", help="prebuild a relocatable bundle: Runtime.load(DIR) then starts warm")
-    p.add_argument("model", help="checkpoint directory, or 'demo'")
-    p.add_argument("--out", required=True, help="bundle directory to create (must not exist or be empty)")
-    p.add_argument("-O", dest="level", type=int, default=DEFAULT_LEVEL, choices=[1, 2, 3],
-                   help=f"optimization level (default {DEFAULT_LEVEL})")
-    p.add_argument("--compile-sizes", type=_sizes, default=None, metavar="N,N,...")
-    p.add_argument("--cudagraph-mode", default=None, choices=[m.value for m in CUDAGraphMode])
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--include-weights", action="store_true", help="copy the safetensors files into the bundle")
-    p.add_argument("-v", "--verbose", action="store_true")
+def _chat(args: argparse.Namespace) -> int:
+    from kiln.entrypoints.chat_repl import ChatSession, run_repl
+
+    params = _sampling_params(args)
+    rt = _load(args)
+    if sys.stdin.isatty():
+        r = rt.startup_report
+        print(f"kiln chat: {args.model} ({r['architecture']}, -O{r['optimization_level']}, loaded in "
+              f"{r['total_seconds']:.1f}s). Ctrl-C stops an answer; /exit leaves.", file=sys.stderr)
+    return run_repl(ChatSession(rt, params, args.system), verbose=args.verbose)
 
 
 def _compile(args: argparse.Namespace) -> int:
     import shutil
     import tempfile
-    from pathlib import Path
 
     from kiln.cache.bundle import write_bundle
     from kiln.engine.loader import build_compiled
@@ -156,13 +153,8 @@ def _compile(args: argparse.Namespace) -> int:
     private = Path(tempfile.mkdtemp(prefix="kiln-compile-"))
     try:
         record, r = build_compiled(
-            args.model,
-            private,
-            optimization_level=args.level,
-            device=args.device,
-            dtype=args.dtype,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            **_compilation_overrides(args),
+            args.model, private, optimization_level=args.level, device=args.device, dtype=args.dtype,
+            max_num_batched_tokens=args.max_num_batched_tokens, **_compilation_overrides(args),
         )
         summary = write_bundle(record, out, args.include_weights)
     finally:
@@ -179,19 +171,16 @@ def _compile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_cache(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("cache", help="list, verify or clear compiled entries")
-    p.add_argument("action", choices=["ls", "verify", "clear"])
-    p.add_argument("--cache-dir", default=None, help="kiln's cache directory (default: KILN_CACHE_DIR, ...)")
+def _cache_root(args: argparse.Namespace) -> Path:
+    from kiln.config import default_cache_dir
+
+    return Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
 
 
 def _cache(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from kiln.cache.entries import clear_entries, list_entries, verify_entries
-    from kiln.config import default_cache_dir
 
-    root = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
+    root = _cache_root(args)
     if args.action == "ls":
         rows = list_entries(root)
         if not rows:
@@ -203,9 +192,8 @@ def _cache(args: argparse.Namespace) -> int:
     if args.action == "verify":
         bad = 0
         for key, problems in verify_entries(root):
-            status = "ok" if not problems else "CORRUPT: " + ", ".join(problems[:5])
             bad += bool(problems)
-            print(f"{key}  {status}")
+            print(f"{key}  {'ok' if not problems else 'CORRUPT: ' + ', '.join(problems[:5])}")
         return 1 if bad else 0
     removed = clear_entries(root)  # CacheClearError (an OSError) names what could not be removed
     print(f"removed {removed} compiled entries from {root}")
@@ -219,32 +207,56 @@ def _age(seconds: float) -> str:
     return f"{seconds:.0f}s ago"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _fetch_demo(args: argparse.Namespace) -> int:
+    from kiln.checkpoint.demo import chat_model_path, fetch_chat_model
+
+    path = fetch_chat_model(chat_model_path(_cache_root(args)).parent)
+    print(f"kiln: demo model at {path} ({path.stat().st_size / (1 << 20):.0f} MiB)", file=sys.stderr)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kiln", description="kiln: a compiler-centric LLM inference runtime")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_generate(sub)
-    _add_compile(sub)
-    _add_cache(sub)
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    p = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
+    p.add_argument("--prompt", default="Once upon a time", help="prompt text")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    _add_run_options(p, max_tokens=128)
+    p = sub.add_parser("chat", help="an interactive chat: Ctrl-C stops an answer, /exit or end of input leaves")
+    p.add_argument("--system", default=None, help="a system message opening the conversation")
+    _add_run_options(p, max_tokens=512)
+    p = sub.add_parser("compile", help="prebuild a relocatable bundle: Runtime.load(DIR) then starts warm")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--out", required=True, help="bundle directory to create (must not exist or be empty)")
+    _add_model_options(p, [1, 2, 3])
+    p.add_argument("--include-weights", action="store_true",
+                   help="copy the weights (safetensors files, or the .gguf) into the bundle")
+    for name, help_ in (("cache", "list, verify or clear compiled entries"),
+                        ("fetch-demo", "download the demo model (SmolLM2-135M-Instruct, ~93 MB) once")):
+        p = sub.add_parser(name, help=help_)
+        if name == "cache":
+            p.add_argument("action", choices=["ls", "verify", "clear"])
+        p.add_argument("--cache-dir", default=None, help="kiln's cache directory (default: KILN_CACHE_DIR, ...)")
+    return parser
+
+
+COMMANDS = {"generate": _generate, "chat": _chat, "compile": _compile, "cache": _cache, "fetch-demo": _fetch_demo}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    verbose = getattr(args, "verbose", False)
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
     try:
-        if args.command == "generate":
-            return _generate(args)
-        if args.command == "compile":
-            return _compile(args)
-        if args.command == "cache":
-            return _cache(args)
+        return COMMANDS[args.command](args)
     except (ValueError, TypeError, OSError) as e:
-        if getattr(args, "verbose", False):
+        if verbose:
             raise
         print(f"kiln: error: {e}", file=sys.stderr)
         return 1 if isinstance(e, OSError) else 2  # 2: the input was at fault
     except KeyboardInterrupt:
         return 130
-    return 1
 
 
 if __name__ == "__main__":

