@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from kiln.checkpoint.demo import ensure_random_model
@@ -69,3 +70,56 @@ def test_a_bad_config_value_is_one_line_naming_file_and_field(llama_checkpoint, 
     assert proc.returncode == 2
     assert f"{broken / 'config.json'}: field 'num_attention_heads' must be an integer" in proc.stderr
     assert "Traceback" not in proc.stderr and "tokenizer" not in proc.stderr
+
+
+def _read_until(fd: int, needle: bytes, timeout: float) -> bytes:
+    import select
+
+    seen = b""
+    deadline = time.monotonic() + timeout
+    while needle not in seen:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise AssertionError(f"{needle!r} not seen within {timeout}s; got {seen[-500:]!r}")
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        seen += chunk
+    return seen
+
+
+def _controlling_terminal() -> None:
+    """In the child: a new session whose controlling terminal is its stdin, so
+    that Ctrl-C typed there is a SIGINT, as in a shell."""
+    import fcntl
+    import termios
+
+    os.setsid()
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def test_chat_on_a_terminal_ctrl_c_stops_the_answer_not_the_repl(demo_tokenizer_dir: Path, tmp_path: Path) -> None:
+    import pty
+
+    main, child = pty.openpty()
+    env = {**os.environ, "KILN_CACHE_DIR": str(demo_tokenizer_dir.parent.parent)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kiln", "chat", "--model", "random-demo", "-O0", "--max-tokens", "2000",
+         "--ignore-eos", "--temperature", "0.8", "--seed", "1"],
+        stdin=child, stdout=child, stderr=child, env=env, preexec_fn=_controlling_terminal,
+    )
+    os.close(child)
+    try:
+        _read_until(main, b"> ", 300)
+        os.write(main, b"hello there\n")
+        time.sleep(1)  # the answer (up to the 1024-token context, several seconds) streams meanwhile
+        os.write(main, b"\x03")  # Ctrl-C, delivered by the terminal as SIGINT
+        _read_until(main, b"[stopped]", 60)
+        _read_until(main, b"> ", 60)  # the REPL is still there
+        os.write(main, b"/exit\n")
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(main)

@@ -10,6 +10,7 @@ decide who steps the engine when.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 from kiln.engine.outputs import EngineOutputs, EngineStats
 from kiln.engine.request import Request, RequestId, SamplingParams
@@ -77,9 +78,11 @@ class Engine:
                 raise RuntimeError("the scheduler could not place any request in the KV cache")
             return EngineOutputs()
         sampled = self.runner.execute(sched)
-        outputs = self.scheduler.update(sched, sampled)
-        self._generated_tokens += len(sampled)
-        return EngineOutputs(outputs, sched.total_tokens, sched.num_preempted)
+        outputs = self.scheduler.update(sched, sampled.tokens)
+        if sampled.logprobs is not None:  # one row per sampling request, the order of ``outputs``
+            outputs = [replace(o, logprobs=None if lp is None else [lp]) for o, lp in zip(outputs, sampled.logprobs)]
+        self._generated_tokens += len(sampled.tokens)
+        return EngineOutputs(outputs, sched.total_tokens, sched.num_preempted, sched.first_scheduled)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.engine.detokenizer import IncrementalDetokenizer
-from kiln.engine.outputs import EngineOutputs, RequestOutput, StreamDelta
+from kiln.engine.outputs import EngineOutputs, RequestOutput, StreamDelta, TokenLogprobs
 from kiln.engine.request import RequestId, SamplingParams
 
 __all__ = ["OutputProcessor", "ProcessedOutputs"]
@@ -25,11 +25,14 @@ class _RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     detok: IncrementalDetokenizer
+    wants_logprobs: bool
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     # not yet taken by the request's consumer
     pending_text: str = ""
     pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
     pending_finish: bool = False
 
 
@@ -47,7 +50,7 @@ class OutputProcessor:
     def add_request(self, request_id: RequestId, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop_strings)
-        self._states[request_id] = _RequestState(prompt, list(prompt_token_ids), detok)
+        self._states[request_id] = _RequestState(prompt, list(prompt_token_ids), detok, params.logprobs is not None)
 
     def __contains__(self, request_id: RequestId) -> bool:
         return request_id in self._states
@@ -63,25 +66,27 @@ class OutputProcessor:
             if state.detok.stopped and finish is None:
                 finish = "stop"
                 to_abort.append(out.request_id)
-            state.token_ids.extend(out.new_token_ids)
-            deltas.append(self._record(out.request_id, state, out.new_token_ids, finish))
+            deltas.append(self._record(out.request_id, state, out.new_token_ids, out.logprobs or [], finish))
         return ProcessedOutputs(deltas, to_abort)
 
     def _record(self, request_id: RequestId, state: _RequestState, new_ids: list[int],
-                finish: str | None) -> StreamDelta:
+                logprobs: list[TokenLogprobs], finish: str | None) -> StreamDelta:
         state.finish_reason = finish
         text = state.detok.take(finished=finish is not None)
+        state.token_ids.extend(new_ids)
+        state.logprobs.extend(logprobs)
         state.pending_text += text
         state.pending_ids.extend(new_ids)
+        state.pending_logprobs.extend(logprobs)
         state.pending_finish = finish is not None
-        return StreamDelta(request_id, text, list(new_ids), finish)
+        return StreamDelta(request_id, text, list(new_ids), finish, list(logprobs) if state.wants_logprobs else None)
 
     def finish(self, request_id: RequestId, reason: str) -> StreamDelta | None:
         """Finish a request the engine ended without a step (an abort)."""
         state = self._states.get(request_id)
         if state is None or state.finish_reason is not None:
             return None
-        return self._record(request_id, state, [], reason)
+        return self._record(request_id, state, [], [], reason)
 
     def take(self, request_id: RequestId) -> StreamDelta | None:
         """Everything added to the request since the last ``take``, merged; None
@@ -90,8 +95,9 @@ class OutputProcessor:
         if not (state.pending_text or state.pending_ids or state.pending_finish):
             return None
         delta = StreamDelta(request_id, state.pending_text, state.pending_ids,
-                            state.finish_reason if state.pending_finish else None)
-        state.pending_text, state.pending_ids, state.pending_finish = "", [], False
+                            state.finish_reason if state.pending_finish else None,
+                            state.pending_logprobs if state.wants_logprobs else None)
+        state.pending_text, state.pending_ids, state.pending_logprobs, state.pending_finish = "", [], [], False
         return delta
 
     def finished(self, request_id: RequestId) -> bool:
@@ -106,6 +112,7 @@ class OutputProcessor:
             token_ids=list(state.token_ids),
             text=state.detok.text,
             finish_reason=state.finish_reason,
+            logprobs=list(state.logprobs) if state.wants_logprobs else None,
         )
 
     def release(self, request_id: RequestId) -> None:

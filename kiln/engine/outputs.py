@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kiln.engine.request import RequestId
+from kiln.engine.sampler import TokenLogprobs
 
-__all__ = ["EngineOutput", "EngineOutputs", "EngineStats", "RequestOutput", "StreamDelta"]
+__all__ = ["EngineOutput", "EngineOutputs", "EngineStats", "RequestOutput", "StreamDelta", "TokenLogprobs"]
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class EngineOutput:
     request_id: RequestId
     new_token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
 
     @property
     def finished(self) -> bool:
@@ -31,6 +33,7 @@ class EngineOutputs:
     outputs: list[EngineOutput] = field(default_factory=list)
     num_scheduled_tokens: int = 0
     num_preempted: int = 0
+    first_scheduled: list[RequestId] = field(default_factory=list)  # left the waiting queue (queue time)
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finish_reason: str | None  # "stop" | "length" | "abort"; None while running
+    logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when asked
 
     @property
     def finished(self) -> bool:
@@ -74,6 +78,7 @@ class StreamDelta:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when asked
 
     @property
     def finished(self) -> bool:

@@ -14,6 +14,7 @@ RequestId = Hashable
 # Temperatures below this are greedy, as in vLLM: dividing logits by a smaller
 # one overflows to inf and gives NaN probabilities.
 GREEDY_EPSILON = 1e-5
+MAX_LOGPROBS = 20
 
 
 def _is_int(value: Any) -> bool:
@@ -33,7 +34,8 @@ class SamplingParams:
     reproducible whatever else is in the batch. Generation stops at
     ``max_tokens`` new tokens, at the model's EOS token (unless ``ignore_eos``),
     at any of ``stop_token_ids``, or when the text produced so far contains one of
-    the ``stop`` strings (which is cut from the returned text).
+    the ``stop`` strings (which is cut from the returned text). ``logprobs=k``
+    returns each new token's log-probability and the ``k`` most likely ones.
     """
 
     max_tokens: int = 16
@@ -44,6 +46,7 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None  # return the chosen token's logprob and this many top ones (<= 20)
 
     def validate(self, where: str = "SamplingParams") -> None:
         """Raise ValueError naming the first invalid field."""
@@ -66,6 +69,8 @@ class SamplingParams:
             raise ValueError(f"{where}.stop must be a string or a list of non-empty strings, got {stop!r}")
         if stop == "":
             raise ValueError(f"{where}.stop must not be empty")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"{where}.logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         ids = self.stop_token_ids
         if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids)):
             raise ValueError(f"{where}.stop_token_ids must be a list of integers, got {ids!r}")

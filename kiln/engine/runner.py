@@ -20,7 +20,7 @@ import torch
 from kiln.attention.backend import AttentionBackend
 from kiln.config import CUDAGraphMode
 from kiln.engine.input_batch import InputBatch, StepShape
-from kiln.engine.sampler import Sampler
+from kiln.engine.sampler import Sampler, SamplerOutput
 from kiln.engine.scheduler import SchedulerOutput
 from kiln.forward_context import BatchDescriptor, ForwardContext, set_forward_context
 from kiln.graphs import CUDAGraphDispatcher, CUDAGraphWrapper, Dispatch, GraphCapturer, capture_session
@@ -83,8 +83,9 @@ class ModelRunner:
         self.dispatcher: CUDAGraphDispatcher | None = None
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> list[int]:
-        """Run the step; return one sampled token per sampling request, in order."""
+    def execute(self, sched: SchedulerOutput) -> SamplerOutput:
+        """Run the step; one sampled token (and its logprobs, when asked) per
+        sampling request, in schedule order."""
         t0 = time.perf_counter()
         shape = self.inputs.stage(sched)
         dispatch = self._dispatch(shape)
@@ -98,7 +99,7 @@ class ModelRunner:
         logits = self.compute_logits(hidden[self.inputs.logits_indices.device[: shape.num_samples]])
         t2 = time.perf_counter()
         sampling = [s for s in sched.scheduled if s.sampling is not None]
-        tokens = self.sampler(logits, [s.sampling for s in sampling], [s.num_output_tokens for s in sampling])  # type: ignore[misc]
+        sampled = self.sampler(logits, [s.sampling for s in sampling], [s.num_output_tokens for s in sampling])  # type: ignore[misc]
         t3 = time.perf_counter()
         st = self.stats
         st.steps += 1
@@ -106,7 +107,7 @@ class ModelRunner:
         st.prepare_seconds += t1 - t0
         st.model_seconds += t2 - t1
         st.sample_seconds += t3 - t2
-        return tokens
+        return sampled
 
     def _dispatch(self, shape: StepShape) -> Dispatch:
         if self.dispatcher is None:

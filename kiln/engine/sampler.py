@@ -9,11 +9,13 @@ preemption.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kiln.engine.request import SamplingParams
 
-__all__ = ["Sampler", "apply_top_k_top_p"]
+__all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "apply_top_k_top_p"]
 
 _MIX = 0x9E3779B97F4A7C15
 
@@ -42,22 +44,48 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The chosen token's log-probability and the ``k`` most likely tokens', on
+    the processed distribution: after temperature (greedy rows: none), top-k and
+    top-p, as vLLM's ``processed_logprobs``. Tokens the filters removed have
+    ``-inf``."""
+
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None  # per row; None when no row asked
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(
-        self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]
-    ) -> list[int]:
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> SamplerOutput:
         """One token per row of ``logits`` ([R, V], any float dtype). ``steps[i]``
-        is how many tokens row i's request has produced so far."""
+        is how many tokens row i's request has produced so far. Log-probabilities
+        cost nothing unless a row asks for them."""
         logits = logits.float()
         greedy_tokens = logits.argmax(dim=-1)
         if all(p.greedy for p in params):
-            return greedy_tokens.tolist()
+            tokens, processed = greedy_tokens, logits
+        else:
+            processed = self._process(logits, params)
+            sampled = self._sample(processed.softmax(dim=-1), params, steps)
+            greedy_mask = torch.tensor([p.greedy for p in params], device=logits.device)
+            tokens = torch.where(greedy_mask, greedy_tokens, sampled)
+        if all(p.logprobs is None for p in params):
+            return SamplerOutput(tokens.tolist())
+        return SamplerOutput(tokens.tolist(), _logprobs(processed, tokens, params))
 
+    @staticmethod
+    def _process(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
         logits = logits / temps.unsqueeze(1)
         top_k = top_p = None
@@ -67,20 +95,33 @@ class Sampler:
             top_p = torch.tensor([p.top_p for p in params], device=logits.device)
         if top_k is not None or top_p is not None:
             logits = apply_top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(dim=-1)
+        return logits
 
+    def _sample(self, probs: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> torch.Tensor:
         noise = torch.ones_like(probs)
         unseeded = [i for i, p in enumerate(params) if p.seed is None and not p.greedy]
         if unseeded:
-            idx = torch.tensor(unseeded, device=logits.device)
-            noise[idx] = torch.empty(len(unseeded), probs.shape[1], device=logits.device).exponential_(
+            idx = torch.tensor(unseeded, device=probs.device)
+            noise[idx] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
                 generator=self.generator
             )
         for i, p in enumerate(params):
             if p.seed is not None and not p.greedy:
-                g = torch.Generator(device=logits.device)
+                g = torch.Generator(device=probs.device)
                 g.manual_seed(_step_seed(p.seed, steps[i]))
                 noise[i].exponential_(generator=g)
-        sampled = (probs / noise).argmax(dim=-1)
-        greedy_mask = torch.tensor([p.greedy for p in params], device=logits.device)
-        return torch.where(greedy_mask, greedy_tokens, sampled).tolist()
+        return (probs / noise).argmax(dim=-1)
+
+
+def _logprobs(processed: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+              ) -> list[TokenLogprobs | None]:
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    logp = processed[rows].log_softmax(dim=-1)
+    chosen = logp.gather(1, tokens[rows].unsqueeze(1)).squeeze(1).tolist()
+    k = max(params[i].logprobs or 0 for i in rows)
+    top_values, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    for j, i in enumerate(rows):
+        n = params[i].logprobs or 0
+        out[i] = TokenLogprobs(chosen[j], list(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist())))
+    return out

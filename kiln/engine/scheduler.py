@@ -44,6 +44,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_preempted: int = 0
+    first_scheduled: list[RequestId] = field(default_factory=list)  # running for the first time
 
     @property
     def total_tokens(self) -> int:
@@ -99,6 +100,8 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if req.num_preemptions == 0:  # a request only waits again after a preemption
+                out.first_scheduled.append(req.request_id)
             out.scheduled.append(_schedule(req, n))
             budget -= n
         return out

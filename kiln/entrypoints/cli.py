@@ -207,6 +207,21 @@ def _age(seconds: float) -> str:
     return f"{seconds:.0f}s ago"
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from kiln.entrypoints.openai.server import serve
+
+    options = dict(
+        optimization_level=args.level, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        cache_dir=args.cache_dir, attention_backend=args.attention_backend, **_compilation_overrides(args),
+    )
+    from kiln.engine.loader import parse_options
+
+    parse_options(args.model, **options)  # a bad option fails now, not after the port opened
+    return serve(args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
+                 load_options=options, log_level="info" if args.verbose else "warning")
+
+
 def _fetch_demo(args: argparse.Namespace) -> int:
     from kiln.checkpoint.demo import chat_model_path, fetch_chat_model
 
@@ -225,6 +240,16 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="an interactive chat: Ctrl-C stops an answer, /exit or end of input leaves")
     p.add_argument("--system", default=None, help="a system message opening the conversation")
     _add_run_options(p, max_tokens=512)
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)")
+    p.add_argument("model", nargs="?", default="demo", help=f"{MODEL_HELP} (default 'demo')")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"])
+    p.add_argument("--cache-dir", default=None, help="kiln's cache directory")
+    _add_model_options(p, [0, 1, 2, 3])
     p = sub.add_parser("compile", help="prebuild a relocatable bundle: Runtime.load(DIR) then starts warm")
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--out", required=True, help="bundle directory to create (must not exist or be empty)")
@@ -240,7 +265,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = {"generate": _generate, "chat": _chat, "compile": _compile, "cache": _cache, "fetch-demo": _fetch_demo}
+COMMANDS = {"generate": _generate, "chat": _chat, "serve": _serve, "compile": _compile, "cache": _cache,
+            "fetch-demo": _fetch_demo}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kiln.engine.request import SamplingParams
@@ -27,7 +28,7 @@ def test_sampler_draws_only_allowed_tokens_and_greedy_is_argmax() -> None:
         SamplingParams(temperature=2.0, top_k=1),
     ]
     for step in range(20):
-        tokens = sampler(logits, params, [step] * 3)
+        tokens = sampler(logits, params, [step] * 3).tokens
         assert tokens[0] == int(logits[0].argmax())
         assert tokens[1] in logits[1].topk(3).indices.tolist()
         assert tokens[2] == int(logits[2].argmax())
@@ -37,7 +38,7 @@ def test_sampling_follows_the_distribution() -> None:
     sampler = Sampler(torch.device("cpu"), seed=0)
     probs = torch.tensor([0.6, 0.3, 0.1])
     logits = probs.log().expand(4000, 3).contiguous()
-    tokens = torch.tensor(sampler(logits, [SamplingParams(temperature=1.0)] * 4000, [0] * 4000))
+    tokens = torch.tensor(sampler(logits, [SamplingParams(temperature=1.0)] * 4000, [0] * 4000).tokens)
     freq = torch.bincount(tokens, minlength=3).float() / 4000
     assert torch.allclose(freq, probs, atol=0.03)
 
@@ -50,5 +51,25 @@ def test_tiny_temperatures_are_greedy() -> None:
     for t in (1e-45, 1e-9, 1e-6):
         params = [SamplingParams(temperature=t), SamplingParams(temperature=t, seed=3)]
         assert all(p.greedy for p in params)
-        assert sampler(logits, params, [0, 0]) == logits.argmax(-1).tolist()
+        assert sampler(logits, params, [0, 0]).tokens == logits.argmax(-1).tolist()
     assert not SamplingParams(temperature=1e-3).greedy
+
+
+def test_logprobs_on_the_processed_distribution_only_when_asked() -> None:
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, 3.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    assert sampler(logits, [SamplingParams(temperature=0)] * 3, [0] * 3).logprobs is None  # no cost unasked
+    params = [
+        SamplingParams(temperature=0, logprobs=2),  # greedy: the raw distribution
+        SamplingParams(temperature=0.5, top_k=2, seed=1, logprobs=0),  # temperature and top-k applied
+        SamplingParams(temperature=0),  # did not ask
+    ]
+    out = sampler(logits, params, [0, 0, 0])
+    raw = logits[0].log_softmax(-1)
+    assert out.tokens[0] == 0 and out.logprobs[0].logprob == pytest.approx(raw[0].item())
+    assert [t for t, _ in out.logprobs[0].top] == [0, 1]
+    assert [lp for _, lp in out.logprobs[0].top] == pytest.approx(raw[:2].tolist())
+    processed = torch.tensor([0.5, 3.0, float("-inf"), float("-inf")]) / 0.5
+    expected = processed.log_softmax(-1)[out.tokens[1]].item()
+    assert out.tokens[1] in (0, 1) and out.logprobs[1].logprob == pytest.approx(expected)
+    assert out.logprobs[1].top == [] and out.logprobs[2] is None

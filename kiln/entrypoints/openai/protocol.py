@@ -1,0 +1,108 @@
+"""Request bodies of the OpenAI API as kiln accepts them, and their translation
+into kiln's requests.
+
+Unknown fields are accepted and ignored, as OpenAI clients expect. Every
+validation failure is an ``APIError`` with HTTP 400 that names the field in
+``param``; a request that fails never reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from kiln.engine.request import MAX_LOGPROBS, SamplingParams
+
+__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "StreamOptions", "sampling_params"]
+
+
+class APIError(Exception):
+    """An error the server answers with OpenAI's envelope
+    ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
+                 type_: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.type = type_ or {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(
+            status, "InternalServerError")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def _check_common(req: _SamplingFields) -> None:
+    if req.n < 1 or req.n > 16:
+        raise APIError(f"n must be between 1 and 16, got {req.n}", param="n")
+    if req.stream_options is not None and not req.stream:
+        raise APIError("stream_options is only allowed with stream=true", param="stream_options")
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, defaults: SamplingParams, max_tokens: int,
+                    logprobs: int | None) -> SamplingParams:
+    """kiln's SamplingParams for ``req``: the request's fields over the model's
+    generation defaults. Raises APIError (400) naming the bad field."""
+    _check_common(req)
+    given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
+             if getattr(req, k) is not None}
+    params = SamplingParams(**{**vars(defaults), **given, "max_tokens": max_tokens, "ignore_eos": req.ignore_eos,
+                               "logprobs": logprobs})
+    try:
+        params.validate("request")
+    except ValueError as e:
+        field = str(e).split(" ", 1)[0].removeprefix("request.")
+        raise APIError(str(e).replace("request.", "", 1), param=field) from None
+    return params
+
+
+def chat_logprobs(req: ChatCompletionRequest) -> int | None:
+    """Chat asks for logprobs with a flag and a count."""
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise APIError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {req.top_logprobs}",
+                       param="top_logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+FinishReason = Literal["stop", "length", "abort"]

@@ -1,0 +1,272 @@
+"""The completion and chat handlers: requests in, OpenAI-shaped responses or
+Server-Sent Events out.
+
+Each choice (a prompt times ``n``) is one engine request. Non-streamed, the
+choices are gathered; streamed, one task per choice feeds a queue and the SSE
+generator turns what arrives into chunks in OpenAI's order: (chat) a role chunk
+per choice, content deltas, a chunk with the finish reason, a usage chunk with
+``choices: []`` when ``stream_options.include_usage`` is set, then
+``data: [DONE]`` always, after an error too. A client that goes away cancels the
+tasks, which aborts their requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kiln.engine.outputs import StreamDelta, TokenLogprobs
+from kiln.engine.request import SamplingParams
+from kiln.entrypoints.async_engine import AsyncEngine, RequestTimes
+from kiln.entrypoints.chat import render_chat
+from kiln.entrypoints.openai.metrics import ServerMetrics
+from kiln.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_logprobs,
+    sampling_params,
+)
+
+__all__ = ["Choice", "OpenAIServing"]
+
+
+@dataclass
+class Choice:
+    """One engine request of an API request, and what it produced."""
+
+    index: int
+    prompt_ids: list[int]
+    prompt_text: str | None
+    params: SamplingParams
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, delta: StreamDelta) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs or []
+        self.finish_reason = delta.finish_reason or self.finish_reason
+
+
+def _usage(choices: list[Choice]) -> dict[str, int]:
+    prompts = {id(c.prompt_ids): len(c.prompt_ids) for c in choices}  # n choices share their prompt
+    prompt, completion = sum(prompts.values()), sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        self.max_model_len = engine.config.max_model_len
+        self.defaults = SamplingParams(**{k: v for k, (v, _) in engine.config.sampling_defaults.items()})
+
+    # ------------------------------------------------------------------ shared
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                           status=404, param="model")
+
+    def _fits(self, prompt_ids: list[int], max_tokens: int | None) -> int:
+        """The max_tokens to use (None: the rest of the context); 400 when the
+        prompt and the output cannot fit."""
+        room = self.max_model_len - len(prompt_ids)
+        wanted = room if max_tokens is None else max_tokens
+        if room < 1 or wanted > room:
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{wanted} output tokens and your prompt contains {len(prompt_ids)} input tokens, for a total of "
+                f"{wanted + len(prompt_ids)} tokens. Please reduce the length of the input prompt or the number "
+                "of requested output tokens.", param="input_tokens")
+        return wanted
+
+    def _choices(self, prompts: list[tuple[list[int], str | None]], params: SamplingParams, n: int) -> list[Choice]:
+        choices = []
+        for ids, text in prompts:
+            for j in range(n):
+                seed = params.seed + j if params.seed is not None and n > 1 else params.seed
+                choices.append(Choice(len(choices), ids, text, replace(params, seed=seed)))
+        for c in choices:
+            try:
+                self.engine.check_request(c.prompt_ids, c.params)
+            except ValueError as e:
+                raise APIError(str(e), param="prompt") from None
+        return choices
+
+    async def _run(self, choice: Choice, queue: asyncio.Queue | None = None) -> Choice:
+        """Generate one choice (feeding ``queue`` when streaming) and record its metrics."""
+        times = RequestTimes(time.monotonic())
+        try:
+            async for delta in self.engine.generate(choice.prompt_ids, choice.params, prompt=choice.prompt_text,
+                                                    times=times):
+                choice.add(delta)
+                if queue is not None:
+                    queue.put_nowait((choice, delta))
+        finally:  # a client that went away counts as an abort
+            self.metrics.record_request(times, len(choice.prompt_ids), len(choice.token_ids),
+                                        choice.finish_reason or "abort")
+        return choice
+
+    async def _gather(self, choices: list[Choice]) -> list[Choice]:
+        tasks = [asyncio.ensure_future(self._run(c)) for c in choices]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _stream(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, StreamDelta]]:
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.ensure_future(self._run(c, queue)) for c in choices]
+        done = asyncio.ensure_future(asyncio.gather(*tasks))
+        try:
+            while not (done.done() and queue.empty()):
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait([getter, done], return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                else:
+                    getter.cancel()
+            done.result()  # raises what a choice raised
+        finally:
+            for t in tasks:
+                t.cancel()
+            done.cancel()
+
+    def _token(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id]) if self.engine.tokenizer is not None else str(token_id)
+
+    # ------------------------------------------------------------------ completions
+    def _completion_prompts(self, req: CompletionRequest) -> list[tuple[list[int], str | None]]:
+        prompt = req.prompt
+        items: list[Any] = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
+        if not items:
+            raise APIError("prompt must not be empty", param="prompt")
+        out = []
+        for item in items:
+            if isinstance(item, str):
+                if not item:
+                    raise APIError("prompt must not be empty", param="prompt")
+                if self.engine.tokenizer is None:
+                    raise APIError("this model has no tokenizer: send token ids", param="prompt")
+                out.append((list(self.engine.tokenizer.encode(item)), item))
+            else:
+                out.append((list(item), None))
+        return out
+
+    def completion_choices(self, req: CompletionRequest) -> list[Choice]:
+        self.check_model(req.model)
+        if req.echo and req.logprobs is not None:
+            raise APIError("echo with logprobs (prompt logprobs) is not supported", param="echo")
+        prompts = self._completion_prompts(req)
+        max_tokens = max(self._fits(ids, req.max_tokens) for ids, _ in prompts)
+        params = sampling_params(req, self.defaults, max_tokens, req.logprobs)
+        return self._choices(prompts, params, req.n)
+
+    def _completion_logprobs(self, choice_lps: list[TokenLogprobs], token_ids: list[int], offset: int) -> dict:
+        tokens = [self._token(t) for t in token_ids]
+        offsets = []
+        for tok in tokens:
+            offsets.append(offset)
+            offset += len(tok)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in choice_lps],
+                "top_logprobs": [{self._token(t): v for t, v in lp.top} for lp in choice_lps],
+                "text_offset": offsets}
+
+    def _echo(self, choice: Choice, echo: bool) -> str:
+        if not echo:
+            return ""
+        return choice.prompt_text if choice.prompt_text is not None else self.engine.tokenizer.decode(choice.prompt_ids)
+
+    async def completions(self, req: CompletionRequest) -> dict[str, Any]:
+        choices = await self._gather(self.completion_choices(req))
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": self.model_name, "usage": _usage(choices),
+            "choices": [{"index": c.index, "text": self._echo(c, req.echo) + c.text, "finish_reason": c.finish_reason,
+                         "logprobs": self._completion_logprobs(c.logprobs, c.token_ids, 0)
+                         if c.params.logprobs is not None else None} for c in choices],
+        }
+
+    async def completion_stream(self, req: CompletionRequest, choices: list[Choice]) -> AsyncIterator[str]:
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name}
+        sent = {c.index: len(self._echo(c, req.echo)) for c in choices}
+        for c in choices if req.echo else []:
+            yield sse({**head, "choices": [{"index": c.index, "text": self._echo(c, True), "logprobs": None,
+                                            "finish_reason": None}]})
+        async for choice, delta in self._stream(choices):
+            lps = (self._completion_logprobs(delta.logprobs or [], delta.token_ids, sent[choice.index])
+                   if choice.params.logprobs is not None else None)
+            sent[choice.index] += len(delta.text)
+            if delta.text or delta.token_ids:
+                yield sse({**head, "choices": [{"index": choice.index, "text": delta.text, "logprobs": lps,
+                                                "finish_reason": None}]})
+            if delta.finished:
+                yield sse({**head, "choices": [{"index": choice.index, "text": "", "logprobs": None,
+                                                "finish_reason": delta.finish_reason}]})
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield sse({**head, "choices": [], "usage": _usage(choices)})
+
+    # ------------------------------------------------------------------ chat
+    def chat_choices(self, req: ChatCompletionRequest) -> list[Choice]:
+        self.check_model(req.model)
+        try:
+            ids = render_chat(self.engine.tokenizer, req.messages, req.chat_template_kwargs)
+        except ValueError as e:
+            param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
+            raise APIError(str(e), param=param) from None
+        max_tokens = self._fits(ids, req.max_completion_tokens if req.max_completion_tokens is not None
+                                else req.max_tokens)
+        params = sampling_params(req, self.defaults, max_tokens, chat_logprobs(req))
+        return self._choices([(ids, None)], params, req.n)
+
+    def _chat_logprobs(self, lps: list[TokenLogprobs], token_ids: list[int]) -> dict[str, Any]:
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self._token(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**entry(t, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+                            for t, lp in zip(token_ids, lps)]}
+
+    async def chat(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        choices = await self._gather(self.chat_choices(req))
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": self.model_name, "usage": _usage(choices),
+            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                         "finish_reason": c.finish_reason,
+                         "logprobs": self._chat_logprobs(c.logprobs, c.token_ids)
+                         if c.params.logprobs is not None else None} for c in choices],
+        }
+
+    async def chat_stream(self, req: ChatCompletionRequest, choices: list[Choice]) -> AsyncIterator[str]:
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": self.model_name}
+        for c in choices:
+            yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]})
+        async for choice, delta in self._stream(choices):
+            if delta.text or delta.token_ids:
+                lps = (self._chat_logprobs(delta.logprobs or [], delta.token_ids)
+                       if choice.params.logprobs is not None else None)
+                yield sse({**head, "choices": [{"index": choice.index, "delta": {"content": delta.text},
+                                                "logprobs": lps, "finish_reason": None}]})
+            if delta.finished:
+                yield sse({**head, "choices": [{"index": choice.index, "delta": {}, "logprobs": None,
+                                                "finish_reason": delta.finish_reason}]})
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield sse({**head, "choices": [], "usage": _usage(choices)})

@@ -1,0 +1,276 @@
+"""``kiln serve`` for real: the server in a subprocess on a free port, driven by
+the official ``openai`` client (sync and async) and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kiln import SamplingParams
+from tests.conftest import fresh_env, kiln_cli, load_eager
+
+MODEL = "random-demo"
+PROMPTS = ["The quick brown fox", "Return the value of", "A file is", "Python is"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: list[str], env: dict[str, str], wrap: list[str] | None = None,
+                 timeout: float = 600) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "kiln", "serve", *args, "--port", str(port)]
+    proc = subprocess.Popen((wrap or []) + cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    saw_503 = False
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"kiln serve exited with {proc.returncode}: {proc.stdout.read()[-3000:]}")
+        try:
+            code = httpx.get(f"{base}/health", timeout=2).status_code
+        except httpx.TransportError:
+            time.sleep(0.2)
+            continue
+        saw_503 |= code == 503
+        if code == 200:
+            return proc, base
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("kiln serve did not become healthy in time")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(demo_tokenizer_dir) -> Iterator[str]:
+    env = {**os.environ, "KILN_CACHE_DIR": str(demo_tokenizer_dir.parent.parent)}
+    proc, base = start_server([MODEL, "-O0", "--max-num-seqs", "64"], env)
+    yield base
+    stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(demo_tokenizer_dir):
+    return load_eager(demo_tokenizer_dir)
+
+
+def _metrics(base: str) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"{base}/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
+    return out
+
+
+def test_health_models_version_and_tokens(server, client, offline) -> None:
+    assert httpx.get(f"{server}/health").status_code == 200
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].model_extra["max_model_len"] == offline.config.max_model_len
+    assert httpx.get(f"{server}/version").json()["version"]
+    tok = httpx.post(f"{server}/tokenize", json={"prompt": "Hello world"}).json()
+    assert tok["tokens"] == offline.tokenizer.encode("Hello world") and tok["count"] == len(tok["tokens"])
+    assert httpx.post(f"{server}/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == "Hello world"
+
+
+def test_completions_streamed_equal_non_streamed_and_offline(client, offline) -> None:
+    expected = offline.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0))[0]
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    assert full.choices[0].text == expected.text and full.choices[0].finish_reason == expected.finish_reason
+    assert full.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert full.usage.completion_tokens == len(expected.token_ids) and full.usage.total_tokens == (
+        full.usage.prompt_tokens + full.usage.completion_tokens)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    ids = client.completions.create(model=MODEL, prompt=expected.prompt_token_ids, max_tokens=12, temperature=0)
+    assert ids.choices[0].text == expected.text
+
+
+def test_chat_streamed_equals_non_streamed_and_offline(client, offline) -> None:
+    messages = [{"role": "user", "content": "Say something."}]
+    expected = offline.chat(messages, SamplingParams(max_tokens=10, temperature=0))
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10, temperature=0)
+    assert full.choices[0].message.content == expected.text and full.choices[0].message.role == "assistant"
+    assert full.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert full.usage.completion_tokens == len(expected.token_ids)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [expected.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
+
+
+def test_done_is_last_and_the_default_chat_length_is_the_rest_of_the_context(server) -> None:
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and events.count("data: [DONE]") == 1
+
+
+def test_n_seeds_stop_and_logprobs(client, offline) -> None:
+    two = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, n=2, temperature=1.0, seed=3)
+    assert [c.index for c in two.choices] == [0, 1] and two.usage.completion_tokens == 16
+    again = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, n=2, temperature=1.0, seed=3)
+    assert [c.text for c in again.choices] == [c.text for c in two.choices]  # same seed, same text
+    free = offline.generate(PROMPTS[2], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0].text
+    stop = free[5:8]
+    cut = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=20, temperature=0, stop=[stop])
+    assert cut.choices[0].text == free[: free.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=20, temperature=0, stop=stop,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text  # never leaks
+    lp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                        temperature=0, logprobs=True, top_logprobs=2)
+    content = lp.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)  # greedy: the top token
+    legacy = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0, logprobs=1)
+    assert len(legacy.choices[0].logprobs.token_logprobs) == 3
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+        ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "hi", "top_p": 2}, 400, "top_p"),
+        ({"prompt": "hi", "n": 0}, 400, "n"),
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+        ({"prompt": "hi", "max_tokens": 5000}, 400, "input_tokens"),
+        ({"prompt": "", "max_tokens": 3}, 400, "prompt"),
+        ({"prompt": [[1, 2], [99999]]}, 400, "prompt"),
+        ({"prompt": "hi", "model": "gpt-17"}, 404, "model"),
+        ({"max_tokens": 3}, 400, "prompt"),
+    ],
+)
+def test_completion_errors_use_the_envelope(server, body, status, param) -> None:
+    r = httpx.post(f"{server}/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["code"] == status and error["message"] and error["type"]
+
+
+def test_errors_through_the_client_and_raw_http(client, server) -> None:
+    with pytest.raises(openai.BadRequestError, match="maximum context length is"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=100000)
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.role"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], logprobs=True,
+                                       top_logprobs=30)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi")
+    r = httpx.post(f"{server}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+    ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"unknown_field": 1})
+    assert ok.choices[0].finish_reason == "length"  # unknown fields are ignored; the server kept serving
+
+
+def test_a_client_that_disconnects_mid_stream_aborts_its_request(server) -> None:
+    with httpx.stream("POST", f"{server}/v1/completions", json={
+            "prompt": "Once", "max_tokens": 900, "stream": True, "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"text"' in line:
+                break  # one chunk, then hang up
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = _metrics(server)
+        if m[("kiln:num_requests_running", ())] == 0 and m[("kiln:kv_cache_usage_perc", ())] == 0:
+            break
+        time.sleep(0.2)
+    assert m[("kiln:num_requests_running", ())] == 0 and m[("kiln:kv_cache_usage_perc", ())] == 0
+    assert m[("kiln:request_success_total", (("finished_reason", "abort"),))] >= 1
+
+
+def test_32_concurrent_streams_get_the_offline_tokens(server, offline) -> None:
+    prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(32)]
+    expected = [o.text for o in offline.generate(prompts, SamplingParams(max_tokens=8, temperature=0))]
+    aclient = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
+
+    async def one(p: str) -> str:
+        stream = await aclient.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def all_of_them() -> list[str]:
+        return await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), timeout=300)
+
+    assert asyncio.run(all_of_them()) == expected
+
+
+def test_metrics_count_what_was_sent(server, client) -> None:
+    before = _metrics(server)
+    out = [client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=k, temperature=0,
+                                     extra_body={"ignore_eos": True})
+           for k in (2, 5)]
+    after = _metrics(server)
+
+    def delta(name: str, labels: tuple = ()) -> float:
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    assert delta("kiln:request_success_total", (("finished_reason", "length"),)) == 2
+    assert delta("kiln:generation_tokens_total") == 7
+    assert delta("kiln:prompt_tokens_total") == sum(o.usage.prompt_tokens for o in out)
+    assert delta("kiln:time_to_first_token_seconds_count") == 2
+    assert delta("kiln:e2e_request_latency_seconds_count") == 2
+    assert delta("kiln:request_queue_time_seconds_count") == 2
+    assert after[("kiln:startup_info", (("compile_cache", "off"), ("cudagraph_mode", "NONE"),
+                                        ("optimization_level", "0")))] == 1
+    assert ("kiln:startup_phase_seconds", (("phase", "total"),)) in after
+
+
+def test_a_bundle_through_a_read_only_mount_serves(tiny, tmp_path) -> None:
+    path, prompts, expected = tiny
+    bundle = tmp_path / "bundle"
+    proc = kiln_cli(["compile", str(path), "--out", str(bundle), "-O1", "--include-weights"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    env = fresh_env(tmp_path / "machine", KILN_CACHE_DIR=str(tmp_path / "user-cache"))
+    port_proc, base = start_server(
+        [str(mount), "--served-model-name", "tiny"], env,
+        wrap=["unshare", "-m", "sh", "-c", f'mount --bind -o ro "{bundle}" "{mount}" && exec "$0" "$@"'],
+    )
+    try:
+        got = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": prompts[0], "max_tokens": 6,
+                                                         "temperature": 0, "ignore_eos": True}).json()
+        assert got["usage"]["completion_tokens"] == 6
+        metrics = _metrics(base)
+        assert metrics[("kiln:startup_info", (("compile_cache", "bundle"), ("cudagraph_mode", "NONE"),
+                                              ("optimization_level", "1")))] == 1
+    finally:
+        stop_server(port_proc)
+    assert not (tmp_path / "user-cache" / "compiled").exists()
