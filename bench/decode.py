@@ -32,7 +32,9 @@ Both modes record, per kiln level, the CUDA graph figures of its
 
 Models (``--shape``, see ``bench.common.models``): ``smollm2-135m`` (the
 default; fp32), ``qwen3-0.6b`` (bf16) and ``qwen3-tiny`` (smoke tests of this
-script only). ``--model DIR`` runs any checkpoint instead.
+script only). ``--model`` runs any checkpoint instead: a directory, a ``.gguf``
+file, ``demo`` or ``random-demo`` (the prompts stay random token ids;
+``bench.real_model`` runs a real model on real prompts, fp32 and bf16 at once).
 
 It prints a table and writes JSON to ``bench/results/decode-<device>-<timestamp>.json``
 and ``bench/results/decode-<device>-latest.json`` (throughput:
@@ -62,7 +64,15 @@ import torch
 
 from bench.adapters import BASELINES, THROUGHPUT_BASELINES, KilnEngine, KilnThroughputEngine
 from bench.common.harness import NOISY_SPREAD, BenchSettings, Engine, EngineSpec, median, run_engines
-from bench.common.models import DEFAULT_SHAPE, MODEL_SEED, SHAPES, describe_model, ensure_shape_model, make_prompt
+from bench.common.models import (
+    DEFAULT_SHAPE,
+    MODEL_SEED,
+    SHAPES,
+    describe_model,
+    ensure_shape_model,
+    make_prompt,
+    resolve_model_arg,
+)
 from bench.common.report import RESULTS_DIR, RunRecord, publish
 from bench.decode_tables import REFERENCE_BASELINE, render_report, render_throughput_report
 
@@ -94,9 +104,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m bench.decode",
         description="Greedy decode, batch 1 or --throughput N: kiln per optimization level against baselines.",
     )
-    p.add_argument("--model", type=Path, default=None,
-                   help="checkpoint directory (default: the --shape model with random weights, built once "
-                        "in the kiln cache)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory, .gguf file, demo or random-demo (default: the --shape model "
+                        "with random weights, built once in the kiln cache)")
     p.add_argument("--shape", choices=list(SHAPES), default=None,
                    help=f"benchmark model to build and run (default {DEFAULT_SHAPE}; qwen3-tiny is for smoke "
                         "tests of this script); not with --model")
@@ -137,6 +147,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--model and --shape exclude each other")
     if args.model is None and args.shape is None:
         args.shape = DEFAULT_SHAPE
+    if args.model is not None:
+        try:
+            args.model = resolve_model_arg(args.model)
+        except ValueError as e:
+            p.error(f"--model: {e}")
     if args.dtype is None:
         args.dtype = SHAPES[args.shape].dtype if args.shape is not None else "float32"
     if args.prompt_len is None:

@@ -122,10 +122,10 @@ class _KilnAdapter(Engine):
     def rt(self) -> Any:
         return self.loaded.rt
 
-    def _params(self) -> Any:
+    def _params(self, max_tokens: int | None = None) -> Any:
         from kiln import SamplingParams
 
-        return SamplingParams(max_tokens=self.max_tokens, temperature=0, ignore_eos=True)
+        return SamplingParams(max_tokens=max_tokens or self.max_tokens, temperature=0, ignore_eos=True)
 
     def _head(self) -> dict[str, Any]:
         return {"engine": self.engine, "level": self.level, "label": self.label,
@@ -215,7 +215,8 @@ def _step_figures(first: dict[str, Any], last: dict[str, Any], wall: float) -> d
 class KilnThroughputEngine(_KilnAdapter):
     """kiln at one level: every prompt submitted at once through
     ``Runtime.generate`` (``max_num_seqs`` = the number of prompts), greedy, EOS
-    ignored. A run is the whole batch, prefill included."""
+    ignored, each request with its own token budget when ``settings.output_lens``
+    gives them. A run is the whole batch, prefill included."""
 
     rate_key = "output_tokens_per_s"
 
@@ -223,12 +224,14 @@ class KilnThroughputEngine(_KilnAdapter):
         super().__init__(model_path, level, settings, max_model_len=max(map(len, prompts)) + settings.max_tokens,
                          max_num_seqs=len(prompts))
         self.prompts = prompts
+        lens = settings.output_lens
+        self.params = [self._params(n) for n in lens] if lens else self._params()
 
     def run_once(self) -> dict[str, Any]:
         rt = self.rt
         stats0 = dataclasses.asdict(rt.stats())
         t0 = time.perf_counter()
-        outs = rt.generate(self.prompts, self._params())
+        outs = rt.generate(self.prompts, self.params)
         wall = time.perf_counter() - t0
         stats1 = dataclasses.asdict(rt.stats())
         steps = int(stats1["steps"] - stats0["steps"])

@@ -28,14 +28,21 @@ PAD_TOKEN_ID = 0
 
 
 def load_transformers(model_path: Path, settings: BenchSettings) -> tuple[Any, float]:
-    """The checkpoint as a transformers model on the device, in eval mode, with no
-    EOS in its generation config; and the seconds the load took."""
+    """The checkpoint (a directory, or a ``.gguf`` file) as a transformers model
+    in the run dtype on the device, in eval mode, with no EOS in its generation
+    config; and the seconds the load took."""
     from transformers import AutoModelForCausalLM
     from transformers import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=settings.torch_dtype)
+    if model_path.is_file() and model_path.suffix.lower() == ".gguf":
+        # transformers dequantizes a GGUF's weights itself, then casts them to the run dtype
+        model = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
+                                                     dtype=settings.torch_dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=settings.torch_dtype)
     model = model.to(settings.device).eval()
     sync(settings.device)
     seconds = time.perf_counter() - t0
@@ -154,13 +161,20 @@ class TransformersEngine(_TransformersAdapter):
 
 class TransformersThroughputEngine(_TransformersAdapter):
     """One batched greedy ``generate`` of every prompt, left-padded (attention
-    mask), ``max_tokens`` new tokens each."""
+    mask), ``max_tokens`` new tokens each. With ``settings.output_lens`` the batch
+    runs to the longest budget (a static batch), and each request keeps, and is
+    credited with, only its own budget's tokens."""
 
     description = "batched generate"
     rate_key = "output_tokens_per_s"
 
+    def __init__(self, model_path: Path, prompts: list[list[int]], settings: BenchSettings) -> None:
+        super().__init__(model_path, prompts, settings)
+        self.output_lens = settings.output_lens or (settings.max_tokens,) * len(prompts)
+
     def run_once(self) -> dict[str, Any]:
-        wall, tokens = self.generate(self.max_tokens)
+        wall, tokens = self.generate(max(self.output_lens))
+        tokens = [t[:n] for t, n in zip(tokens, self.output_lens)]
         return throughput_figures(wall, tokens, sum(map(len, self.prompts)))
 
     def summary(self, runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -39,6 +39,8 @@ class BenchSettings:
     attention_backend: str | None = None  # kiln's; None: its default (KILN_ATTENTION_BACKEND, else auto)
     kiln_cache_dir: Path | None = None  # None: a fresh, empty compile cache per kiln engine (cold starts)
     max_num_batched_tokens: int | None = None  # kiln's step token budget; None: its default
+    # throughput: each request's new tokens (max_tokens is their maximum); None: max_tokens each
+    output_lens: tuple[int, ...] | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -50,6 +50,29 @@ def machine_info(device: str) -> dict[str, Any]:
     return info
 
 
+def cpu_bf16_support() -> dict[str, Any]:
+    """What this CPU offers bf16 arithmetic (its flags: AMX tiles, AVX-512 BF16
+    dot products) and what torch makes of it (its CPU kernel capability, and
+    whether oneDNN runs bf16 natively), for reports that compare bf16 with fp32."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    try:
+        onednn_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        onednn_bf16 = None
+    return {
+        **{flag: flag in flags for flag in ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")},
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "onednn_bf16_supported": onednn_bf16,
+    }
+
+
 def load_average() -> list[float] | None:
     """The 1/5/15-minute load averages: other work on the machine skews timings."""
     try:

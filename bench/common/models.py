@@ -5,6 +5,11 @@ need no download: each shape is built once with transformers, offline, into
 ``<kiln cache>/bench-models/`` (:func:`ensure_shape_model`), and checked to read
 back in kiln as the intended architecture. Prompts are random token ids with a
 fixed seed (:func:`make_prompt`).
+
+A real model runs too: :func:`resolve_model_arg` takes a checkpoint directory, a
+``.gguf`` file, ``demo`` (SmolLM2-135M-Instruct, Q4_1 GGUF, after ``kiln
+fetch-demo``) or ``random-demo``; :func:`chat_prompts` renders a fixed list of
+English prompts through the model's own tokenizer and chat template.
 """
 
 from __future__ import annotations
@@ -223,9 +228,33 @@ def verify_shape(shape: ModelShape, path: Path) -> None:
                            f"(field: (built, intended)): {wrong}")
 
 
+def resolve_model_arg(text: str) -> Path:
+    """A ``--model`` argument as a path: ``demo`` (the chat demo GGUF, which must
+    have been fetched: ``kiln fetch-demo``), ``random-demo`` (built once when
+    missing), or a checkpoint directory or ``.gguf`` file. Raises kiln's
+    ``CheckpointError`` (a ``ValueError``) naming the problem."""
+    from kiln.checkpoint.names import resolve_model_name
+    from kiln.config import default_cache_dir
+
+    path = resolve_model_name(text, default_cache_dir())
+    if not path.exists():
+        from kiln.checkpoint import CheckpointError
+
+        raise CheckpointError(f"model {text!r}: {path} does not exist")
+    return path
+
+
 def describe_model(path: Path, name: str) -> dict[str, Any]:
-    """The model's shape as kiln reads it from ``config.json``."""
-    mc = read_model_config(path)
+    """The model's shape as kiln reads it from its config (``config.json``, or a
+    GGUF's metadata); for a GGUF its tensor types too."""
+    from kiln.checkpoint import open_checkpoint
+    from kiln.models.registry import parse_model_config
+
+    checkpoint = open_checkpoint(Path(path))
+    mc = parse_model_config(checkpoint)
+    extra = {}
+    if checkpoint.format == "gguf":
+        extra = {"tensor_types": checkpoint.identity().get("tensor_types")}
     return {
         "name": name,
         "architecture": mc.architecture,
@@ -241,7 +270,9 @@ def describe_model(path: Path, name: str) -> dict[str, Any]:
         "rope_theta": mc.rope.theta,
         "rms_norm_eps": mc.rms_norm_eps,
         "qk_norm": mc.qk_norm,
-        "checkpoint_dtype": str(mc.checkpoint_dtype).removeprefix("torch."),
+        "checkpoint_dtype": str(mc.checkpoint_dtype).removeprefix("torch.") if mc.checkpoint_dtype else None,
+        "format": checkpoint.format,
+        **extra,
     }
 
 
@@ -249,3 +280,54 @@ def make_prompt(vocab_size: int, length: int, seed: int) -> list[int]:
     """``length`` token ids drawn uniformly from the vocabulary with a fixed seed."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (length,), generator=gen).tolist()
+
+
+# Real prompts (:func:`chat_prompts`): questions, instructions and story openings.
+CHAT_PROMPTS: tuple[str, ...] = (
+    "What is the capital of France, and what is it famous for?",
+    "Write a short story about a robot who learns to paint.",
+    "Explain photosynthesis to a ten-year-old.",
+    "Give me three tips for sleeping better.",
+    "Once upon a time, in a village at the edge of a great forest, there lived an old clockmaker. "
+    "Continue the story.",
+    "How do I make a simple tomato sauce for pasta?",
+    "What are the main differences between a comet and an asteroid?",
+    "Write a haiku about autumn rain.",
+    "Summarize the plot of Romeo and Juliet in a few sentences.",
+    "Why is the sky blue?",
+    "Suggest a name for a coffee shop run by cats, and explain your choice.",
+    "What should I pack for a weekend hiking trip in the mountains?",
+    "Describe the water cycle step by step.",
+    "Write a polite email asking my landlord to fix a leaking tap.",
+    "It was a dark and stormy night when the lighthouse keeper heard a knock at the door. What happened next?",
+    "What are some good habits for learning a new language?",
+)
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The checkpoint's tokenizer as kiln builds it (for a GGUF: transformers'
+    ``gguf_file`` tokenizer); raises when the checkpoint has none."""
+    from kiln.checkpoint import open_checkpoint
+
+    tokenizer = open_checkpoint(Path(path)).load_tokenizer()
+    if tokenizer is None:
+        raise ValueError(f"{path} has no tokenizer: real prompts need one")
+    return tokenizer
+
+
+def chat_prompts(tokenizer: Any, count: int) -> tuple[list[str], list[list[int]], bool]:
+    """The first ``count`` of :data:`CHAT_PROMPTS` (cycled if more are asked for),
+    each as one user message rendered by the tokenizer's chat template with the
+    assistant's generation prompt (as plain text when it has none) and encoded
+    without added special tokens (the template has them). Returns the texts
+    rendered, their token ids, and whether the chat template was used."""
+    templated = bool(getattr(tokenizer, "chat_template", None))
+    texts = []
+    for i in range(count):
+        message = CHAT_PROMPTS[i % len(CHAT_PROMPTS)]
+        if templated:
+            message = tokenizer.apply_chat_template([{"role": "user", "content": message}],
+                                                    add_generation_prompt=True, tokenize=False)
+        texts.append(message)
+    ids = [list(tokenizer(t, add_special_tokens=not templated)["input_ids"]) for t in texts]
+    return texts, ids, templated

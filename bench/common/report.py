@@ -108,3 +108,16 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line(headers), rule, *(line(r) for r in rows)])
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A Markdown (GitHub) table, ready to paste into the README: text columns
+    left-aligned, numeric ones right-aligned."""
+
+    def numeric(cell: str) -> bool:
+        return cell.rstrip("x%s").replace(".", "", 1).replace("-", "", 1).isdigit()
+
+    right = [bool(rows) and all(numeric(str(r[i])) or r[i] in ("-", "n/a") for r in rows)
+             for i in range(len(headers))]
+    rule = ["---:" if r else "---" for r in right]
+    return "\n".join("| " + " | ".join(str(c) for c in cells) + " |" for cells in [headers, rule, *rows])
