@@ -194,6 +194,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     seed: int = 0
+    enable_prefix_caching: bool = True
 
     DEFAULT_MAX_NUM_SEQS = 64
     DEFAULT_MAX_NUM_SEQS_CUDA = 256
@@ -210,6 +211,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         g = self.gpu_memory_utilization
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 < g <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {g!r}")

@@ -123,3 +123,9 @@ def test_chat_on_a_terminal_ctrl_c_stops_the_answer_not_the_repl(demo_tokenizer_
         if proc.poll() is None:
             proc.kill()
         os.close(main)
+
+
+def test_serve_checks_its_options_before_listening(tmp_path: Path) -> None:
+    proc = _kiln(["serve", "random-demo", "--max-num-seqs", "0", "--port", "1"], tmp_path)
+    assert proc.returncode == 2 and "max_num_seqs must be a positive integer, got 0" in proc.stderr
+    assert "Traceback" not in proc.stderr

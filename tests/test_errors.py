@@ -117,7 +117,7 @@ def test_generate_validates_everything_before_scheduling(rt: Runtime, prompts, p
     with pytest.raises(ValueError, match=match):
         rt.generate(prompts, params)
     assert not rt.has_unfinished()  # nothing was queued
-    assert rt.engine.scheduler.pool.num_free == rt.engine.scheduler.pool.num_blocks
+    assert rt.engine.scheduler.kv.usage == 0.0
 
 
 def test_text_prompt_without_tokenizer(rt: Runtime) -> None:

@@ -34,6 +34,7 @@ class ResolvedConfig:
     kv_cache_memory_bytes: int | None
     gpu_memory_utilization: float
     seed: int
+    enable_prefix_caching: bool
     # RoPE tables cover every position the checkpoint knows, whatever max_model_len
     # is: the table is a graph input, and its shape must not tie compiled code to
     # one engine setting.
@@ -64,6 +65,7 @@ class ResolvedConfig:
             "block_size": self.block_size,
             "num_kv_blocks": self.num_kv_blocks,
             "seed": self.seed,
+            "enable_prefix_caching": self.enable_prefix_caching,
             "eos_token_ids": list(self.eos_token_ids),
             "sampling_defaults": {k: {"value": v, "source": src} for k, (v, src) in self.sampling_defaults.items()},
             "compilation": self.compilation.to_dict(),

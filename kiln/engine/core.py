@@ -58,12 +58,17 @@ class Engine:
                 "leaves no room to generate"
             )
 
-    def add_request(self, request_id: RequestId, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; it joins the running batch at the next ``step``."""
+    def add_request(self, request_id: RequestId, prompt_token_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> None:
+        """Queue a request; it joins the running batch at the next ``step``.
+        Requests with different ``cache_salt`` never share cached KV blocks."""
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
         self.check_request(prompt_token_ids, params)
-        self.scheduler.add(Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids))
+        self.scheduler.add(Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
+                                   cache_salt=cache_salt))
 
     def abort(self, request_ids: Iterable[RequestId]) -> None:
         """Finish these requests now (unknown or finished ones are ignored); their
@@ -88,16 +93,18 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
-        pool, run = self.scheduler.pool, self.runner.stats
+        kv, run = self.scheduler.kv, self.runner.stats
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            num_kv_blocks=pool.num_blocks,
-            kv_cache_usage=1.0 - pool.num_free / pool.num_blocks,
+            num_kv_blocks=kv.num_blocks,
+            kv_cache_usage=kv.usage,
             num_preemptions=self.scheduler.num_preemptions,
             steps=run.steps,
             scheduled_tokens=run.tokens,
             generated_tokens=self._generated_tokens,
+            prefix_cache_queries=kv.stats.queries,
+            prefix_cache_hits=kv.stats.hits,
             prepare_seconds=run.prepare_seconds,
             model_seconds=run.model_seconds,
             sample_seconds=run.sample_seconds,

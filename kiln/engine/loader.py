@@ -26,7 +26,7 @@ from kiln.cache.bundle import Bundle, BuildRecord, read_bundle
 from kiln.checkpoint import Checkpoint, open_checkpoint
 from kiln.checkpoint.names import resolve_model_name
 from kiln.config import DEFAULT_LEVEL, CompilationConfig, CUDAGraphMode, EngineConfig, default_cache_dir
-from kiln.engine.block_pool import BlockPool
+from kiln.engine.kv_cache_manager import KVCacheManager
 from kiln.engine.config import (
     ResolvedConfig,
     kv_bytes_per_block,
@@ -194,6 +194,7 @@ def resolve_config(source: ModelSource, options: LoadOptions) -> ResolvedConfig:
         max_num_batched_tokens=sizes.max_num_batched_tokens, block_size=sizes.block_size,
         num_kv_blocks=sizes.num_kv_blocks, kv_cache_memory_bytes=user.kv_cache_memory_bytes,
         gpu_memory_utilization=user.gpu_memory_utilization, seed=user.seed,
+        enable_prefix_caching=user.enable_prefix_caching,
         rope_positions=max(model.max_position_embeddings, sizes.max_model_len), eos_token_ids=eos,
         checkpoint_identity=source.checkpoint.identity(),
         sampling_defaults=sampling_defaults(source.checkpoint.generation_config(),
@@ -278,7 +279,8 @@ def allocate_kv_cache(config: ResolvedConfig, num_blocks: int) -> list[torch.Ten
 # ------------------------------------------------------------------ 7. engine
 def build_engine(config: ResolvedConfig, model: CausalLM, compiled: Any, kv_caches: list[torch.Tensor]) -> Engine:
     num_blocks = kv_caches[0].shape[1]
-    scheduler = Scheduler(BlockPool(num_blocks, config.block_size), config.max_num_seqs,
+    kv = KVCacheManager(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
+    scheduler = Scheduler(kv, config.max_num_seqs,
                           config.max_num_batched_tokens, config.max_model_len)
     runner = ModelRunner(
         model, kv_caches, create_attention_backend(config.attention_backend), block_size=config.block_size,
@@ -347,14 +349,25 @@ def startup_report(config: ResolvedConfig, engine: Engine, compiled: "CompiledEn
         "cudagraph_capture_seconds": capture.seconds,
         "cudagraph_memory_bytes": capture.memory_bytes,
         **_compile_report(compiled.stats if compiled else None),
-        "num_kv_blocks": engine.scheduler.pool.num_blocks,
+        "num_kv_blocks": engine.scheduler.kv.num_blocks,
+        "enable_prefix_caching": config.enable_prefix_caching,
         "kv_cache_bytes": kv_bytes,
         "max_model_len": config.max_model_len,
     }
 
 
-def load_engine(path: "str | Path", **kwargs: Any) -> LoadedEngine:
-    """Every load step in order; see ``kiln.Runtime.load`` for the options."""
+@dataclass(frozen=True)
+class _Built:
+    """The steps ``load_engine`` and ``build_compiled`` share: a model, ready to compile."""
+
+    phases: Phases
+    options: LoadOptions
+    source: ModelSource
+    config: ResolvedConfig
+    model: CausalLM
+
+
+def _build(path: "str | Path", kwargs: dict[str, Any]) -> _Built:
     phases = Phases()
     options = parse_options(path, **kwargs)
     source = open_source(options, phases)
@@ -362,6 +375,13 @@ def load_engine(path: "str | Path", **kwargs: Any) -> LoadedEngine:
         config = resolve_config(source, options)
     with phases("load_weights"):
         model = load_model(config, source)
+    return _Built(phases, options, source, config, model)
+
+
+def load_engine(path: "str | Path", **kwargs: Any) -> LoadedEngine:
+    """Every load step in order; see ``kiln.Runtime.load`` for the options."""
+    b = _build(path, kwargs)
+    phases, options, source, config, model = b.phases, b.options, b.source, b.config, b.model
     compiled = compile_or_load(model, config, source, options)
     if compiled is not None:
         phases.seconds.update(compiled.stats.phases)
@@ -384,14 +404,9 @@ def build_compiled(path: "str | Path", cache_root: Path, **kwargs: Any) -> tuple
     ``cache_root`` (a private cache: its Inductor directory then holds exactly
     what the entry needs). No KV cache, scheduler, runner or CUDA graphs.
     Returns the build record and a report (phases, counts)."""
-    phases = Phases()
-    options = parse_options(path, **kwargs)
-    source = open_source(options, phases)
-    with phases("load_config"):
-        config = resolve_config(source, options)
-    with phases("load_weights"):
-        model = load_model(config, source)
-    compiled = compile_or_load(model, config, source, options, cache_root=cache_root)
+    b = _build(path, kwargs)
+    phases, source, config = b.phases, b.source, b.config
+    compiled = compile_or_load(b.model, config, source, b.options, cache_root=cache_root)
     if compiled is None:
         raise ValueError("a bundle holds compiled pieces: use -O1 or above")
     phases.seconds.update(compiled.stats.phases)

@@ -48,6 +48,8 @@ class EngineStats:
     steps: int
     scheduled_tokens: int  # prompt and output tokens run through the model (recomputes too)
     generated_tokens: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of which were found cached (not computed)
     prepare_seconds: float  # host work to build the step's inputs
     model_seconds: float  # forward and LM head
     sample_seconds: float

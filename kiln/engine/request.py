@@ -98,16 +98,19 @@ class Request:
 
     ``num_computed_tokens`` counts the tokens whose K/V sit in the cache. After a
     preemption it falls back to 0 and the request recomputes prompt and output so
-    far (the output tokens are kept, so the result is unchanged). The scheduler
-    owns every field but the ids and params.
+    far (the output tokens are kept, so the result is unchanged), starting from
+    whatever prefix of its blocks is still cached. The scheduler and the KV cache
+    manager own every field but the ids, params and salt.
     """
 
     request_id: RequestId
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
+    cache_salt: str | None = None  # requests with different salts never share cached blocks
     output_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, chained (prefix caching)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None

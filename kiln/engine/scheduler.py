@@ -2,9 +2,12 @@
 
 Each step the scheduler spends a token budget: first on requests already running
 (a decode token each, or the next chunk of a long prefill), then on waiting
-requests, which join the running batch at any step. When the KV cache runs short,
-the most recently admitted running request is preempted: its blocks are freed and
-it waits to recompute its prompt and output so far, losing nothing.
+requests, which join the running batch at any step. A waiting request starts
+after the longest prefix of its tokens whose KV blocks are cached (prefix
+caching): the budget pays only for the tokens after it. When the KV cache runs
+short, the most recently admitted running request is preempted: its blocks go
+back to the cache (still findable) and it waits to recompute its prompt and
+output so far, losing nothing.
 
 What it hands the runner is plain data (``ScheduledRequest``): token ids,
 positions, block ids and sampling options, never a ``Request``.
@@ -15,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kiln.engine.block_pool import BlockPool
+from kiln.engine.kv_cache_manager import KVCacheManager
 from kiln.engine.outputs import EngineOutput
 from kiln.engine.request import Request, RequestId, RequestStatus, SamplingParams
 
@@ -60,9 +63,9 @@ def _schedule(req: Request, n: int) -> ScheduledRequest:
 
 class Scheduler:
     def __init__(
-        self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
     ) -> None:
-        self.pool = pool
+        self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -94,9 +97,11 @@ class Scheduler:
         # A step that had to preempt admits nobody: the cache is already too tight.
         while not out.num_preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.pool.grow(req.block_ids, req.num_computed_tokens + n):
+            prefix = self.kv.cached_prefix(req)
+            n = min(req.num_tokens - len(prefix) * self.kv.block_size, budget)
+            if not self.kv.allocate(req, prefix, len(prefix) * self.kv.block_size + n):
                 break
+            req.num_computed_tokens = len(prefix) * self.kv.block_size
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -109,7 +114,7 @@ class Scheduler:
     def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Grow ``req``'s blocks to hold ``n`` more tokens, preempting from the back
         of the running list until it fits. False when ``req`` was the victim."""
-        while not self.pool.grow(req.block_ids, req.num_computed_tokens + n):
+        while not self.kv.grow(req, req.num_computed_tokens + n):
             victim = self.running.pop()
             self._preempt(victim)
             out.num_preempted += 1
@@ -118,8 +123,7 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request) -> None:
-        self.pool.free(req.block_ids)
-        req.block_ids = []
+        self.kv.free(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
@@ -136,6 +140,7 @@ class Scheduler:
         for s in out.scheduled:
             req = self.requests[s.request_id]
             req.num_computed_tokens += s.num_tokens
+            self.kv.cache_full_blocks(req)
             if s.sampling is None:
                 continue
             token = next(tokens)
@@ -166,8 +171,7 @@ class Scheduler:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
-        self.pool.free(req.block_ids)
-        req.block_ids = []
+        self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         return req

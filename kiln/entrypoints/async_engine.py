@@ -93,6 +93,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None
+    cache_salt: str | None
 
 
 class AsyncEngine:
@@ -136,8 +137,8 @@ class AsyncEngine:
         self.engine.check_request(prompt_token_ids, params)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *, prompt: str | None = None,
-                       request_id: str | None = None, times: RequestTimes | None = None
-                       ) -> AsyncIterator[StreamDelta]:
+                       request_id: str | None = None, times: RequestTimes | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[StreamDelta]:
         """Queue a request and yield what each step adds to it (merged when the
         consumer lags); the last delta carries the finish reason. Closing the
         iterator early aborts the request."""
@@ -147,7 +148,7 @@ class AsyncEngine:
         rid = request_id or f"req-{next(self._ids)}"
         collector = _Collector(times or RequestTimes(time.monotonic()))
         self._collectors[rid] = collector
-        self._send(_Add(rid, list(prompt_token_ids), params, prompt))
+        self._send(_Add(rid, list(prompt_token_ids), params, prompt, cache_salt))
         finished = False
         try:
             while not finished:
@@ -185,7 +186,7 @@ class AsyncEngine:
         aborted = [item for item in items if isinstance(item, str)]
         for item in items:
             if isinstance(item, _Add) and item.request_id not in aborted:
-                self.engine.add_request(item.request_id, item.prompt_token_ids, item.params)
+                self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, item.cache_salt)
                 self._processor.add_request(item.request_id, item.prompt, item.prompt_token_ids, item.params)
         if aborted:
             self.engine.abort(aborted)

@@ -56,14 +56,20 @@ def _add_model_options(p: argparse.ArgumentParser, levels: list[int]) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="log progress and print reports")
 
 
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"],
+                   help="attention kernels (default: $KILN_ATTENTION_BACKEND, else auto: triton on CUDA, torch on CPU)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="recompute shared prompt prefixes instead of reusing their cached KV blocks")
+    p.add_argument("--cache-dir", default=None, help="kiln's cache directory")
+
+
 def _add_run_options(p: argparse.ArgumentParser, max_tokens: int) -> None:
     """A model to run, and how to sample it."""
     p.add_argument("--model", default="demo", help=f"{MODEL_HELP} (default 'demo')")
     _add_model_options(p, [0, 1, 2, 3])
-    p.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"],
-                   help="attention kernels (default: $KILN_ATTENTION_BACKEND, else auto: triton on CUDA, torch on CPU)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--cache-dir", default=None, help="kiln's cache directory")
+    _add_engine_options(p)
     p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default {max_tokens})")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
@@ -89,14 +95,20 @@ def _sampling_params(args: argparse.Namespace) -> Any:
     return params
 
 
+def _load_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags of a command that runs a model, as Runtime.load options."""
+    return dict(
+        optimization_level=args.level, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+        max_num_seqs=getattr(args, "max_num_seqs", None), max_num_batched_tokens=args.max_num_batched_tokens,
+        cache_dir=args.cache_dir, attention_backend=args.attention_backend,
+        enable_prefix_caching=args.enable_prefix_caching, **_compilation_overrides(args),
+    )
+
+
 def _load(args: argparse.Namespace) -> Any:
     from kiln import Runtime
 
-    rt = Runtime.load(
-        args.model, optimization_level=args.level, device=args.device, dtype=args.dtype,
-        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        cache_dir=args.cache_dir, attention_backend=args.attention_backend, **_compilation_overrides(args),
-    )
+    rt = Runtime.load(args.model, **_load_options(args))
     if args.verbose:
         print(json.dumps(rt.startup_report, indent=2), file=sys.stderr)
     return rt
@@ -208,15 +220,10 @@ def _age(seconds: float) -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from kiln.engine.loader import parse_options
     from kiln.entrypoints.openai.server import serve
 
-    options = dict(
-        optimization_level=args.level, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        cache_dir=args.cache_dir, attention_backend=args.attention_backend, **_compilation_overrides(args),
-    )
-    from kiln.engine.loader import parse_options
-
+    options = _load_options(args)
     parse_options(args.model, **options)  # a bad option fails now, not after the port opened
     return serve(args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
                  load_options=options, log_level="info" if args.verbose else "warning")
@@ -246,9 +253,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
     p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"])
-    p.add_argument("--cache-dir", default=None, help="kiln's cache directory")
+    _add_engine_options(p)
     _add_model_options(p, [0, 1, 2, 3])
     p = sub.add_parser("compile", help="prebuild a relocatable bundle: Runtime.load(DIR) then starts warm")
     p.add_argument("model", help=MODEL_HELP)

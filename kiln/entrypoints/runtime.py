@@ -163,21 +163,24 @@ class Runtime:
         self.engine.check_request(ids, params, index)
         return ids, text
 
-    def _add_many(self, prompts: list[Any], params: list[SamplingParams], indexed: bool = True) -> list[int]:
+    def _add_many(self, prompts: list[Any], params: list[SamplingParams], indexed: bool = True,
+                  cache_salt: str | None = None) -> list[int]:
         """Validate every prompt, then queue them all: a bad batch queues nothing."""
         with self._lock:
             prepared = [self._prepare(p, sp, i if indexed else None) for i, (p, sp) in enumerate(zip(prompts, params))]
             rids = []
             for (ids, text), sp in zip(prepared, params):
                 rid = next(self._ids)
-                self.engine.add_request(rid, ids, sp)
+                self.engine.add_request(rid, ids, sp, cache_salt)
                 self._processor.add_request(rid, text, ids, sp)
                 rids.append(rid)
             return rids
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
-        """Queue one prompt; it joins the running batch at the next ``step``."""
-        return self._add_many([prompt], [params or self.default_params()], indexed=False)[0]
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, *, cache_salt: str | None = None
+                    ) -> int:
+        """Queue one prompt; it joins the running batch at the next ``step``.
+        Requests with different ``cache_salt`` never share cached KV blocks."""
+        return self._add_many([prompt], [params or self.default_params()], indexed=False, cache_salt=cache_salt)[0]
 
     def _step_locked(self) -> list[StreamDelta]:
         processed = self._processor.process(self.engine.step())
@@ -223,14 +226,17 @@ class Runtime:
                     return
                 self._step_locked()
 
-    def generate(self, prompts: Any, params: "SamplingParams | Sequence[SamplingParams] | None" = None
-                 ) -> list[RequestOutput]:
+    def generate(self, prompts: Any, params: "SamplingParams | Sequence[SamplingParams] | None" = None, *,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
         """Run prompts to completion; one output per prompt, in order.
 
         ``prompts``: a string, a list of token ids, or a list of either.
-        ``params``: one SamplingParams for all, or one per prompt."""
+        ``params``: one SamplingParams for all, or one per prompt. Prompts that
+        start alike share the KV blocks of their common prefix (prefix caching),
+        unless their ``cache_salt`` differs."""
         plist = _normalize_prompts(prompts)
-        rids = self._add_many(plist, _normalize_params(params, len(plist), self.default_params()))
+        rids = self._add_many(plist, _normalize_params(params, len(plist), self.default_params()),
+                              cache_salt=cache_salt)
         try:
             self._drive(rids)
         except BaseException:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from kiln.attention.torch_backend import TorchAttentionBackend
 from kiln.checkpoint import CheckpointReader
-from kiln.engine.block_pool import BlockPool
+from kiln.engine.kv_cache_manager import KVCacheManager
 from kiln.engine.core import Engine
 from kiln.engine.request import SamplingParams
 from kiln.engine.runner import ModelRunner
@@ -48,11 +48,11 @@ def expected(prompt: list[int], n: int) -> list[int]:
 
 
 def make_engine(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 32,
-                max_model_len: int = 64, eos: tuple[int, ...] = ()) -> Engine:
+                max_model_len: int = 64, eos: tuple[int, ...] = (), caching: bool = True) -> Engine:
     runner = ModelRunner(NextTokenModel(), [], TorchAttentionBackend(), block_size=block_size,
                          max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                          device=torch.device("cpu"))
-    scheduler = Scheduler(BlockPool(num_blocks, block_size), max_num_seqs, budget, max_model_len)
+    scheduler = Scheduler(KVCacheManager(num_blocks, block_size, caching), max_num_seqs, budget, max_model_len)
     return Engine(scheduler, runner, vocab_size=VOCAB, eos_token_ids=eos)
 
 

@@ -41,10 +41,14 @@ class _EngineCollector(Collector):
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric([self.model], value)
             yield g
-        c = CounterMetricFamily("kiln:num_preemptions", "Requests preempted (recomputed later).",
-                                labels=["model_name"])
-        c.add_metric([self.model], stats.num_preemptions)
-        yield c
+        for name, doc, value in (
+            ("kiln:num_preemptions", "Requests preempted (recomputed later).", stats.num_preemptions),
+            ("kiln:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
+            ("kiln:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
+        ):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self.model], value)
+            yield c
 
 
 class ServerMetrics:

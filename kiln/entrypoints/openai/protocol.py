@@ -53,6 +53,7 @@ class _SamplingFields(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    cache_salt: str | None = None  # requests with different salts never share cached KV blocks
 
 
 class CompletionRequest(_SamplingFields):

@@ -44,6 +44,7 @@ class Choice:
     prompt_ids: list[int]
     prompt_text: str | None
     params: SamplingParams
+    cache_salt: str | None = None
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -93,12 +94,13 @@ class OpenAIServing:
                 "of requested output tokens.", param="input_tokens")
         return wanted
 
-    def _choices(self, prompts: list[tuple[list[int], str | None]], params: SamplingParams, n: int) -> list[Choice]:
+    def _choices(self, prompts: list[tuple[list[int], str | None]], params: SamplingParams, n: int,
+                 cache_salt: str | None) -> list[Choice]:
         choices = []
         for ids, text in prompts:
             for j in range(n):
                 seed = params.seed + j if params.seed is not None and n > 1 else params.seed
-                choices.append(Choice(len(choices), ids, text, replace(params, seed=seed)))
+                choices.append(Choice(len(choices), ids, text, replace(params, seed=seed), cache_salt))
         for c in choices:
             try:
                 self.engine.check_request(c.prompt_ids, c.params)
@@ -111,7 +113,7 @@ class OpenAIServing:
         times = RequestTimes(time.monotonic())
         try:
             async for delta in self.engine.generate(choice.prompt_ids, choice.params, prompt=choice.prompt_text,
-                                                    times=times):
+                                                    times=times, cache_salt=choice.cache_salt):
                 choice.add(delta)
                 if queue is not None:
                     queue.put_nowait((choice, delta))
@@ -174,7 +176,7 @@ class OpenAIServing:
         prompts = self._completion_prompts(req)
         max_tokens = max(self._fits(ids, req.max_tokens) for ids, _ in prompts)
         params = sampling_params(req, self.defaults, max_tokens, req.logprobs)
-        return self._choices(prompts, params, req.n)
+        return self._choices(prompts, params, req.n, req.cache_salt)
 
     def _completion_logprobs(self, choice_lps: list[TokenLogprobs], token_ids: list[int], offset: int) -> dict:
         tokens = [self._token(t) for t in token_ids]
@@ -232,7 +234,7 @@ class OpenAIServing:
         max_tokens = self._fits(ids, req.max_completion_tokens if req.max_completion_tokens is not None
                                 else req.max_tokens)
         params = sampling_params(req, self.defaults, max_tokens, chat_logprobs(req))
-        return self._choices([(ids, None)], params, req.n)
+        return self._choices([(ids, None)], params, req.n, req.cache_salt)
 
     def _chat_logprobs(self, lps: list[TokenLogprobs], token_ids: list[int]) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
