@@ -233,7 +233,8 @@ def test_32_concurrent_streams_get_the_offline_tokens(server, offline) -> None:
 
 def test_metrics_count_what_was_sent(server, client) -> None:
     before = _metrics(server)
-    out = [client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=k, temperature=0,
+    long_prompt = " ".join(PROMPTS) * 3  # more than one 16-token block
+    out = [client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=k, temperature=0,
                                      extra_body={"ignore_eos": True})
            for k in (2, 5)]
     after = _metrics(server)
@@ -250,6 +251,9 @@ def test_metrics_count_what_was_sent(server, client) -> None:
     assert after[("kiln:startup_info", (("compile_cache", "off"), ("cudagraph_mode", "NONE"),
                                         ("optimization_level", "0")))] == 1
     assert ("kiln:startup_phase_seconds", (("phase", "total"),)) in after
+    # the two requests share their prompt: the second finds the first's full blocks
+    assert delta("kiln:prefix_cache_queries_total") == sum(o.usage.prompt_tokens for o in out)
+    assert delta("kiln:prefix_cache_hits_total") > 0
 
 
 def test_a_bundle_through_a_read_only_mount_serves(tiny, tmp_path) -> None:
