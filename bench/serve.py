@@ -52,25 +52,31 @@ def _workload(model: Path, count: int, max_tokens: int) -> tuple[list[list[int]]
     return prompts, budgets
 
 
-def run_offline(model: Path, prompts: list[list[int]], budgets: list[int], load: dict[str, Any]) -> dict[str, Any]:
+def run_offline(model: Path, prompts: list[list[int]], budgets: list[int], load: dict[str, Any],
+                repeats: int) -> dict[str, Any]:
     from kiln import Runtime, SamplingParams
 
     rt = Runtime.load(model, **load)
-    params = [SamplingParams(max_tokens=b, temperature=0, ignore_eos=True) for b in budgets]
+    params = [SamplingParams(max_tokens=b, temperature=0, ignore_eos=True, logprobs=0) for b in budgets]
     rt.generate(prompts[:2], params[:2])  # warm-up
-    t0 = time.perf_counter()
-    outs = rt.generate(prompts, params)
-    wall = time.perf_counter() - t0
-    tokens = sum(len(o.token_ids) for o in outs)
-    return {"wall_seconds": round(wall, 3), "output_tokens": tokens, "tokens_per_s": round(tokens / wall, 2),
+    rates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = rt.generate(prompts, params)
+        rates.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
+    return {"tokens_per_s": round(statistics.median(rates), 2), "runs_tokens_per_s": [round(r, 2) for r in rates],
             "startup_seconds": rt.startup_report["total_seconds"]}
 
 
 async def _one(client: Any, base: str, prompt: list[int], budget: int) -> dict[str, Any]:
+    """One streamed request. ``logprobs: 0`` makes every chunk say how many tokens
+    it carries (a client that lags gets several merged), so that inter-token
+    latency is per token, as the server's own metric is."""
     body = {"prompt": prompt, "max_tokens": budget, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "logprobs": 0, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    stamps, usage = [], None
+    stamps: list[tuple[float, int]] = []  # (arrival, tokens in the chunk)
+    usage = None
     async with client.stream("POST", f"{base}/v1/completions", json=body, timeout=None) as r:
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -78,9 +84,10 @@ async def _one(client: Any, base: str, prompt: list[int], budget: int) -> dict[s
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 usage = chunk["usage"]
-            elif chunk["choices"] and chunk["choices"][0]["text"]:
-                stamps.append(time.perf_counter())
-    return {"ttft": stamps[0] - t0 if stamps else None, "itl": [b - a for a, b in zip(stamps, stamps[1:])],
+            elif chunk["choices"] and chunk["choices"][0]["logprobs"]:
+                stamps.append((time.perf_counter(), len(chunk["choices"][0]["logprobs"]["token_logprobs"])))
+    itl = [(b - a) / n for (a, _), (b, n) in zip(stamps, stamps[1:]) for _ in range(n)]
+    return {"ttft": stamps[0][0] - t0 if stamps else None, "itl": itl,
             "tokens": usage["completion_tokens"] if usage else 0}
 
 
@@ -116,7 +123,7 @@ def _free_port() -> int:
 
 
 def run_server(model: Path, level: int, prompts: list[list[int]], budgets: list[int], clients: int,
-               env: dict[str, str]) -> dict[str, Any]:
+               env: dict[str, str], repeats: int) -> dict[str, Any]:
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", str(model), "-O", str(level), "--port", str(port)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -129,8 +136,9 @@ def run_server(model: Path, level: int, prompts: list[list[int]], budgets: list[
             time.sleep(0.5)
         ready = time.perf_counter() - t0
         asyncio.run(_clients(base, prompts[:2], budgets[:2], 2))  # warm-up
-        result = asyncio.run(_clients(base, prompts, budgets, clients))
-        return {**result, "seconds_to_ready": round(ready, 2)}
+        runs = [asyncio.run(_clients(base, prompts, budgets, clients)) for _ in range(repeats)]
+        result = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]  # the median run
+        return {**result, "runs_tokens_per_s": [r["tokens_per_s"] for r in runs], "seconds_to_ready": round(ready, 2)}
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -152,14 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each side; the median is reported")
     p.add_argument("--out", type=Path, default=None, help="results directory (default bench/results)")
     args = p.parse_args(argv)
     record = RunRecord("serve", "cpu")
     model = resolve_model_arg(args.model)
     prompts, budgets = _workload(model, args.requests, args.max_tokens)
     env = {**os.environ}
-    offline = run_offline(model, prompts, budgets, {"optimization_level": args.level, "max_num_seqs": args.clients})
-    served = run_server(model, args.level, prompts, budgets, args.clients, env)
+    offline = run_offline(model, prompts, budgets, {"optimization_level": args.level, "max_num_seqs": args.clients},
+                          args.repeats)
+    served = run_server(model, args.level, prompts, budgets, args.clients, env, args.repeats)
     ratio = served["tokens_per_s"] / offline["tokens_per_s"]
     itl_ratio = served["itl_p99"] / served["itl_p50"] if served["itl_p50"] else None
     report = {**record.head(), "model": args.model, "level": args.level, "clients": args.clients,

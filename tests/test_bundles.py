@@ -98,3 +98,24 @@ def test_a_gguf_compiles_into_a_bundle_with_or_without_the_file(tmp_path) -> Non
         Runtime.load(tmp_path / "bundle-False", cache_dir=tmp_path / "cache")
     rt = Runtime.load(tmp_path / "bundle-False", cache_dir=tmp_path / "cache", weights_path=moved)
     assert [o.token_ids for o in rt.generate(prompts, greedy)] == expected
+
+
+def test_a_bad_gguf_leaves_nothing_in_the_cache(tmp_path) -> None:
+    """A file that fails to load fails before anything is compiled or cached."""
+    from tests.unit.test_gguf import hf_to_gguf, write_gguf
+    from tests.conftest import build_hf_model
+
+    model = build_hf_model("llama", hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                           num_key_value_heads=1)
+    meta, tensors = hf_to_gguf(model, "llama")
+    good = write_gguf(tmp_path / "good.gguf", "llama", meta, tensors)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    unknown = tmp_path / "unknown.gguf"
+    write_gguf(unknown, "llama", {**meta, "general.architecture": "gpt2"}, tensors)
+    for bad, needle in ((truncated, "truncated"), (unknown, "gpt2")):
+        cache = tmp_path / f"cache-{bad.stem}"
+        with pytest.raises(CheckpointError, match=needle) as err:
+            Runtime.load(bad, optimization_level=1, cache_dir=cache)
+        assert bad.name in str(err.value)
+        assert not (cache / "compiled").exists() or not any((cache / "compiled").iterdir())
