@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib
+import importlib.metadata
+import importlib.util
 import json
 import platform
 import sys
@@ -32,13 +33,16 @@ _COMPILED_SOURCES = ("kiln.config", "kiln.forward_context", "kiln.models", "kiln
 
 
 def _source_files(module_name: str) -> list[tuple[str, Path]]:
-    """(name, file) for a module, or for every module of a package."""
-    module = importlib.import_module(module_name)
-    paths = getattr(module, "__path__", None)
-    if paths is None:
-        return [(module_name, Path(module.__file__))]  # type: ignore[arg-type]
+    """(name, file) for a module, or for every module of a package, found
+    without importing them (``kiln.compiler`` imports Dynamo, which a cache
+    lookup at an eager start must not pay for)."""
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or spec.origin is None:
+        raise RuntimeError(f"kiln's own module {module_name} is missing from the installation")
+    if spec.submodule_search_locations is None:
+        return [(module_name, Path(spec.origin))]
     out = []
-    for root in map(Path, paths):
+    for root in map(Path, spec.submodule_search_locations):
         for f in sorted(root.rglob("*.py")):
             rel = f.relative_to(root).with_suffix("").as_posix().replace("/", ".")
             out.append((f"{module_name}.{rel}", f))
@@ -57,14 +61,24 @@ def kiln_source_hash() -> str:
     return h.hexdigest()[:16]
 
 
+def _x86_features() -> list[str]:
+    """The x86 extensions Inductor's ISA checker looks for (its own list, read
+    the same way, without importing Inductor)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    cpu = torch.cpu
+    avx512 = cpu._is_avx512_supported()
+    found = {"avx2": cpu._is_avx2_supported(), "avx512": avx512, "avx512_vnni": avx512 and cpu._is_vnni_supported(),
+             "amx_tile": cpu._is_amx_tile_supported()}
+    return sorted(name for name, present in found.items() if present)
+
+
 def cpu_features() -> dict[str, Any]:
     """The CPU features Inductor's vector ISA choice depends on, read from the CPU
     without a build: an entry's recorded ISA is replayed only where they match."""
-    from torch._inductor.cpu_vec_isa import x86_isa_checker
-
     return {
         "capability": torch.backends.cpu.get_cpu_capability(),
-        "x86": sorted(x86_isa_checker()),
+        "x86": _x86_features(),
         "avx512_bf16": bool(torch.cpu._is_avx512_bf16_supported()),
         "amx_fp16": bool(torch.cpu._is_amx_fp16_supported()),
         "machine": platform.machine(),
@@ -72,11 +86,12 @@ def cpu_features() -> dict[str, Any]:
 
 
 def _triton_version() -> str | None:
+    """The installed Triton's version, read from its metadata: importing Triton
+    takes a while and an eager start does not need it."""
     try:
-        import triton
-    except Exception:  # not installed, or broken on this platform
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
         return None
-    return str(triton.__version__)
 
 
 def environment_factors(device: torch.device) -> dict[str, Any]:

@@ -47,6 +47,12 @@ class CheckpointReader(abc.ABC):
         """Tensor ``name`` as a CPU tensor (dequantized if stored quantized).
         Raises ``CheckpointError`` naming the file when it cannot be read."""
 
+    def read_into(self, name: str, dest: torch.Tensor) -> None:
+        """Fill ``dest`` (a parameter, or a row block of one) with tensor
+        ``name``, converted to ``dest``'s dtype: one copy. Formats that can read
+        straight from the file into ``dest`` override this."""
+        dest.copy_(self.get(name))
+
     def close(self) -> None:
         """Release open files (readers also work as context managers)."""
 

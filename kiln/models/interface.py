@@ -40,10 +40,11 @@ class CausalLM(nn.Module, abc.ABC):
         return torch.nn.functional.linear(hidden, self.logits_weight())
 
     @abc.abstractmethod
-    def load_weights(self, reader: CheckpointReader) -> None:
+    def load_weights(self, reader: CheckpointReader, *, read: bool = True) -> None:
         """Fill every parameter from ``reader`` exactly once; raise
         ``CheckpointError`` naming the file and tensor for a missing, misshaped
-        or unexpected tensor."""
+        or unexpected tensor. Without ``read``, only check the names and shapes
+        (a compile, whose code does not depend on weight values)."""
 
     @abc.abstractmethod
     def reset_buffers(self) -> None:

@@ -18,6 +18,7 @@ import torch
 from kiln.checkpoint import Checkpoint, CheckpointError
 from kiln.models.config import ConfigFields, ModelConfig
 from kiln.models.interface import Architecture, CausalLM
+from kiln.models.memory import materialize
 
 __all__ = ["ARCHITECTURES", "build_model", "config_from_dict", "find_architecture", "parse_model_config"]
 
@@ -61,18 +62,22 @@ def parse_model_config(checkpoint: Checkpoint) -> ModelConfig:
 
 
 def build_model(
-    config: ModelConfig, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, rope_positions: int
+    config: ModelConfig, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, rope_positions: int,
+    *, weights: bool = True,
 ) -> CausalLM:
     """The model with its weights, on ``device`` in ``dtype``. Built on the meta
-    device first (no random init), materialised uninitialised, then every
-    parameter is filled from the checkpoint exactly once."""
+    device first (no random init), materialised uninitialised (on CPU in one
+    huge-page block, ``kiln.models.memory``), then every parameter is filled
+    from the checkpoint exactly once (without ``weights``, only checked against
+    the checkpoint's names and shapes and left uninitialised: what a compile
+    needs, as compiled code does not depend on weight values)."""
     arch = ARCHITECTURES[config.architecture]
     with torch.device("meta"):
         model = arch.model_class(config, rope_positions)
-    model = model.to_empty(device=device).to(dtype)
+    model = materialize(model, device, dtype)
     model.reset_buffers()
     with checkpoint.reader() as reader:
-        model.load_weights(reader)
+        model.load_weights(reader, read=weights)
     model.eval()
     model.requires_grad_(False)
     return model

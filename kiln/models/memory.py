@@ -1,0 +1,80 @@
+"""Where a model's parameters live: on CPU, in one block advised as transparent
+huge pages.
+
+A CPU decode step streams every weight from memory. Held in 4 KiB pages, loading
+540 MB of weights takes some 135,000 page faults and every step walks as many
+TLB entries; in 2 MiB pages both drop 512-fold (weight loading:
+bench/results/startup-cpu-latest.json). On a GPU, or where the kernel ignores the
+advice, the parameters are ordinary allocations.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+
+import torch
+from torch import nn
+
+__all__ = ["materialize"]
+
+logger = logging.getLogger(__name__)
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # linux/mman.h
+_ALIGN = 64  # every parameter starts on a cache line
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name, use_errno=True) if name else None
+    except OSError:
+        return None
+
+
+def _advise_huge_pages(block: torch.Tensor) -> None:
+    """Ask the kernel to back ``block`` (2 MiB aligned) with huge pages."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "madvise"):
+        return
+    if libc.madvise(ctypes.c_void_p(block.data_ptr()), ctypes.c_size_t(block.numel()), _MADV_HUGEPAGE) != 0:
+        logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
+
+
+def _huge_page_block(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of uninitialised CPU memory starting on a huge page, advised."""
+    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % _HUGE_PAGE
+    block = raw[start: start + nbytes]
+    _advise_huge_pages(block)
+    return block
+
+
+def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Give a model built on the meta device real, uninitialised parameters in
+    ``dtype`` (floating point ones; others keep theirs) on ``device``, and its
+    buffers storage there. Nothing is copied or initialised."""
+    if device.type != "cpu":
+        return model.to_empty(device=device).to(dtype)
+    params = list(model.parameters())  # each shared parameter once
+    kinds = [dtype if p.is_floating_point() else p.dtype for p in params]
+    sizes = [p.numel() * torch.empty((), dtype=k).element_size() for p, k in zip(params, kinds)]
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // _ALIGN) * _ALIGN
+    block = _huge_page_block(max(total, 1))
+    placed = {id(p): nn.Parameter(block[offset: offset + size].view(kind).view(p.shape), requires_grad=False)
+              for p, kind, size, offset in zip(params, kinds, sizes, offsets)}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = placed[id(p)]
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
+    return model
