@@ -85,6 +85,11 @@ _LEVEL_DEFAULTS: dict[int, dict[str, Any]] = {
         "cudagraph_mode": CUDAGraphMode.FULL_AND_PIECEWISE},
 }
 DEFAULT_SPLITTING_OPS = ["kiln::attention"]
+# On CPU an exact size pays only where the compiler rewrites small-batch linears
+# as reductions (up to 4 tokens, ``kiln.compiler.gemv``); at 8 tokens the exact
+# runnable decodes no faster than the range (bench/results/compile-sizes-cpu-latest.json),
+# and skipping it saves a sixth of a cold compile.
+_CPU_COMPILE_SIZES = (1, 2, 4)
 
 
 def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
@@ -149,6 +154,8 @@ class CompilationConfig:
         """A copy with every field filled: the user's values, else the level's."""
         d = _LEVEL_DEFAULTS[self.level]
         compile_sizes = self.compile_sizes if self.compile_sizes is not None else d["compile_sizes"]
+        if self.compile_sizes is None and device_type == "cpu":
+            compile_sizes = [s for s in compile_sizes if s in _CPU_COMPILE_SIZES]
         mode = self.cudagraph_mode if self.cudagraph_mode is not None else d["cudagraph_mode"]
         if device_type != "cuda" and mode is not CUDAGraphMode.NONE:
             logger.info("CUDA graphs need a GPU: cudagraph_mode %s resolves to NONE on %s", mode.value, device_type)

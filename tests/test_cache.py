@@ -16,8 +16,8 @@ from kiln import Runtime, SamplingParams
 from tests.conftest import build_hf_model, fresh_env, kiln_cli, random_prompts, run_child, save_checkpoint
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-# unique pieces x (range + exact sizes) + the CPU LM head at each exact size <= 4
-COMPILES = {1: 3, 2: 3 * 5 + 3}
+# unique pieces x (range + exact sizes 1, 2, 4 on CPU) + the CPU LM head at each exact size
+COMPILES = {1: 3, 2: 3 * 4 + 3}
 
 
 @pytest.fixture(scope="module", params=[1, 2])
@@ -84,7 +84,7 @@ def test_lost_or_damaged_kernels_are_rebuilt_and_reported(tiny, tmp_path) -> Non
     cache = tmp_path / "cache"
     load = {"optimization_level": 1, "cache_dir": str(cache)}
     assert run_child(path, load, prompts, env=fresh_env(tmp_path / "m0"))["compile_cache"] == "miss"
-    entry = next((cache / "compiled").iterdir())
+    entry = next(e for e in (cache / "compiled").iterdir() if e.name != "locks")
     kernels = json.loads((entry / "manifest.json").read_text())["kernels"]
     assert kernels and all(name.endswith(".so") for name in kernels)
     shutil.rmtree(cache / "inductor")

@@ -278,3 +278,36 @@ def test_a_bundle_through_a_read_only_mount_serves(tiny, tmp_path) -> None:
     finally:
         stop_server(port_proc)
     assert not (tmp_path / "user-cache" / "compiled").exists()
+
+
+def test_serve_answers_while_it_compiles_in_the_background_then_swaps(tiny, tmp_path) -> None:
+    """``kiln serve`` compiles in the background by default: on an empty cache it
+    serves eagerly from the start, then swaps the compiled pieces in."""
+    path, prompts, expected = tiny
+    env = fresh_env(tmp_path / "machine", KILN_CACHE_DIR=str(tmp_path / "cache"))
+    proc, base = start_server([str(path), "-O1", "--served-model-name", "tiny"], env)
+
+    def tokens(prompt: list[int]) -> list[int]:
+        """Greedy tokens, read from the logprobs (the tiny model has no tokenizer:
+        each token is its id)."""
+        got = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 6,
+                                                         "temperature": 0, "ignore_eos": True, "logprobs": 0})
+        return [int(t) for t in got.json()["choices"][0]["logprobs"]["tokens"]]
+
+    def execution() -> tuple[str, str]:
+        (labels,) = [k[1] for k, v in _metrics(base).items() if k[0] == "kiln:execution_info" and v == 1]
+        return dict(labels)["execution"], dict(labels)["background_compile"]
+
+    try:
+        assert execution() == ("eager", "building")
+        assert [tokens(p) for p in prompts] == expected
+        deadline = time.monotonic() + 600
+        while execution() != ("compiled", "swapped"):
+            assert time.monotonic() < deadline and execution()[1] != "failed", execution()
+            time.sleep(0.5)
+        assert [tokens(p) for p in prompts] == expected
+        after = _metrics(base)
+        assert 0 < after[("kiln:background_compile_build_seconds", ())] <= after[
+            ("kiln:background_compile_swapped_at_seconds", ())]
+    finally:
+        stop_server(proc)

@@ -9,9 +9,11 @@ entry is recognised and never loaded. Single files are written atomically
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,9 +29,11 @@ __all__ = [
     "checksum_tree",
     "entry_lock",
     "file_sha256",
+    "private_copy",
     "read_manifest",
     "verify_entry",
     "verify_kernels",
+    "writable",
 ]
 
 MANIFEST = "manifest.json"
@@ -105,3 +109,22 @@ def entry_lock(root: Path, key: str, timeout: float = 3600.0) -> Iterator[None]:
     locks.mkdir(parents=True, exist_ok=True)
     with FileLock(str(locks / f"{key}.lock"), timeout=timeout):
         yield
+
+
+def writable(path: Path) -> bool:
+    """Whether kiln may create files under ``path`` (created if missing)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(path, os.W_OK)
+
+
+def private_copy(source: Path | None, prefix: str) -> Path:
+    """A writable temporary copy of ``source`` (empty when None), removed at exit:
+    loading an artifact writes into the Inductor cache it reads."""
+    dest = Path(tempfile.mkdtemp(prefix=prefix))
+    if source is not None and source.is_dir():
+        shutil.copytree(source, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.lock", "locks"))
+    atexit.register(shutil.rmtree, dest, True)
+    return dest

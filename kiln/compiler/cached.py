@@ -18,11 +18,8 @@ at load (which needs the C++ compiler), reported as ``kernels_rebuilt`` and a
 
 from __future__ import annotations
 
-import atexit
 import logging
-import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,16 +27,26 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._inductor import config as inductor_config
 from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
 from kiln.cache.keys import cache_key, diff_factors
-from kiln.cache.store import MANIFEST, atomic_write_json, entry_lock, read_manifest, verify_entry, verify_kernels
+from kiln.cache.store import (
+    MANIFEST,
+    atomic_write_json,
+    entry_lock,
+    private_copy,
+    read_manifest,
+    verify_entry,
+    verify_kernels,
+    writable,
+)
 from kiln.compiler.artifacts import inductor_settings, load_compiled, save_compiled
-from kiln.compiler.pipeline import CompiledModel, CompileStats, compile_model
-from kiln.compiler.toolchain import checksum_kernels, compiler_identity, kernel_files, vec_isa_record
+from kiln.compiler.pipeline import CompiledModel, CompileStats, compile_traced, trace_model
+from kiln.compiler.toolchain import ToolchainWarmup, checksum_kernels, compiler_identity, kernel_files, vec_isa_record
 from kiln.config import CompilationConfig
 
-__all__ = ["CompiledEntry", "FactorMismatchError", "load_entry", "load_or_compile", "private_copy"]
+__all__ = ["CompiledEntry", "FactorMismatchError", "load_entry", "load_or_compile"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,25 +71,6 @@ class CompiledEntry:
     stats: CompileStats
     entry: Path  # the entry directory
     inductor_dir: Path  # the Inductor cache its kernels live in
-
-
-def writable(path: Path) -> bool:
-    """Whether kiln may create files under ``path`` (created if missing)."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return False
-    return os.access(path, os.W_OK)
-
-
-def private_copy(source: Path | None, prefix: str) -> Path:
-    """A writable temporary copy of ``source`` (empty when None), removed at exit:
-    loading an artifact writes into the Inductor cache it reads."""
-    dest = Path(tempfile.mkdtemp(prefix=prefix))
-    if source is not None and source.is_dir():
-        shutil.copytree(source, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.lock", "locks"))
-    atexit.register(shutil.rmtree, dest, True)
-    return dest
 
 
 def _stats_from_manifest(manifest: dict[str, Any], loaded: int, source: str) -> CompileStats:
@@ -144,7 +132,8 @@ def load_entry(
         for name in damaged:
             (inductor_dir / name).unlink(missing_ok=True)
     t0 = time.perf_counter()
-    compiled, loaded = load_compiled(entry, manifest, model, max_num_tokens, inductor_dir, eager_impls)
+    compiled, loaded = load_compiled(entry, manifest, model, max_num_tokens, inductor_dir, eager_impls,
+                                     kernels_built=not damaged)
     stats = _stats_from_manifest(manifest, loaded, "repaired" if damaged else source)
     stats.kernels_rebuilt = len(damaged)
     stats.phases["load_artifacts"] = round(time.perf_counter() - t0, 4)
@@ -165,15 +154,24 @@ def _build_entry(
     shutil.rmtree(entry, ignore_errors=True)
     entry.mkdir(parents=True)
     cpu = device.type == "cpu"
-    with temporary_cache_dir(str(inductor_dir)), inductor_settings():
-        # Asked first, so that the ISA probe's own test builds are not counted as kernels.
-        toolchain = {"vec_isa": vec_isa_record() if cpu else None, "cxx": compiler_identity() if cpu else None}
-        with kernel_files(inductor_dir) as kernels:
-            compiled, stats, pristine = compile_model(
-                model, config, max_num_tokens=max_num_tokens, device=device, eager_impls=eager_impls
-            )
+    # On CPU each graph is one C++ file, built in the compiling process (Inductor's
+    # build threads add nothing, and would not survive the forks of parallel jobs).
+    single = {"compile_threads": 1} if cpu else {}
+    with temporary_cache_dir(str(inductor_dir)), inductor_settings(), inductor_config.patch(single):
+        warmup = ToolchainWarmup(device.type)  # ISA probe and C++ header, beside the trace
+        try:
+            traced = trace_model(model, config, device)
+            # Asked before kernels are recorded: the ISA probe's test builds are not kernels.
+            toolchain = {"vec_isa": vec_isa_record() if cpu else None, "cxx": compiler_identity() if cpu else None}
+            with kernel_files(inductor_dir) as kernels:
+                compiled, stats, pristine = compile_traced(
+                    traced, model, config, max_num_tokens=max_num_tokens, device=device, eager_impls=eager_impls
+                )
+        finally:
+            warmup.join()
     saved_stats = {"pieces": stats.pieces, "unique_pieces": stats.unique_pieces,
-                   "inductor_compiles": stats.inductor_compiles, "phases": stats.phases}
+                   "inductor_compiles": stats.inductor_compiles, "phases": stats.phases,
+                   "compile_seconds": stats.compile_seconds, "compile_workers": stats.compile_workers}
     save_compiled(entry, compiled, pristine, {
         **header, "key": key, "factors": factors, "created": time.time(), "stats": saved_stats,
         "toolchain": toolchain, "kernels": checksum_kernels(inductor_dir, kernels),

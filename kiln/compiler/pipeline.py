@@ -4,11 +4,14 @@ of ``model.forward``."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import pickle
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,13 +19,15 @@ from torch import fx, nn
 
 from kiln.compiler.capture import CapturedGraph, GraphInput, capture
 from kiln.compiler.gemv import CPU_GEMV_MAX_TOKENS, decompose_linears, logits_head_graph
+from kiln.compiler.parallel import CompileJob, compile_workers, run_jobs
 from kiln.compiler.pieces import BucketedPiece, inductor_compile, token_arg
 from kiln.compiler.split import Piece, SplitGraph, bind_eager_implementations, split_graph
 from kiln.config import CompilationConfig
 from kiln.forward_context import ForwardContext, set_forward_context
 from kiln.progress import Progress
 
-__all__ = ["ArgumentBinder", "CompileStats", "CompiledModel", "compile_model"]
+__all__ = ["ArgumentBinder", "CompileStats", "CompiledModel", "TracedModel", "compile_model", "compile_traced",
+           "trace_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +41,7 @@ class CompileStats:
     phases: dict[str, float] = field(default_factory=dict)
     # "piece <n> [<bucket>]" -> seconds, one entry per Inductor compilation
     compile_seconds: dict[str, float] = field(default_factory=dict)
+    compile_workers: int = 0  # processes that compiled side by side
     artifacts_loaded: int = 0
     # kernel libraries the shared Inductor cache had lost, rebuilt at load
     kernels_rebuilt: int = 0
@@ -118,24 +124,6 @@ def _record_piece_inputs(split: SplitGraph, args: list[Any], wanted: set[str]) -
     return seen
 
 
-class _Compiler:
-    """One compile: every unique piece for the range and each exact size, then the
-    CPU LM heads, counting and timing each Inductor compilation."""
-
-    def __init__(self, config: CompilationConfig, stats: CompileStats, bar: Progress) -> None:
-        self.options = dict(config.inductor_options or {})
-        self.stats = stats
-        self.bar = bar
-
-    def __call__(self, label: str, gm: fx.GraphModule, inputs: list[Any], dynamic: bool) -> Callable[..., Any]:
-        t0 = time.perf_counter()
-        fn = inductor_compile(gm, inputs, dynamic=dynamic, options=self.options)
-        self.stats.compile_seconds[label] = round(time.perf_counter() - t0, 4)
-        self.stats.inductor_compiles += 1
-        self.bar.update(label)
-        return fn
-
-
 def _unique_pieces(split: SplitGraph, max_num_tokens: int) -> dict[str, tuple[Piece, BucketedPiece]]:
     """signature -> (a representative piece, its empty runnables)."""
     unique: dict[str, tuple[Piece, BucketedPiece]] = {}
@@ -149,32 +137,132 @@ def _unique_pieces(split: SplitGraph, max_num_tokens: int) -> dict[str, tuple[Pi
     return unique
 
 
-def _compile_pieces(
+Install = Callable[[Any], None]  # puts a job's compiled artifact where the model calls it
+
+
+def _piece_jobs(
     split: SplitGraph, unique: dict[str, tuple[Piece, BucketedPiece]], example_args: Callable[[int], list[Any]],
-    sizes: list[int], max_num_tokens: int, device: torch.device, compile_: _Compiler,
-) -> None:
+    sizes: list[int], max_num_tokens: int, device: torch.device,
+) -> list[tuple[CompileJob, Install]]:
+    """Each unique piece for the range, then for each exact size (with example
+    inputs recorded from an eager run of that size)."""
     index_of = {sig: i for i, sig in enumerate(unique)}
+    jobs: list[tuple[CompileJob, Install]] = []
     for sig, (piece, runnables) in unique.items():
         fakes = [n.meta["example_value"] for n in piece.graph_module.graph.nodes if n.op == "placeholder"]
         label = f"piece {index_of[sig]} [range 1-{max_num_tokens}]"
-        runnables.range = compile_(label, piece.graph_module, fakes, dynamic=True)
+        jobs.append((CompileJob(label, piece.graph_module, fakes, dynamic=True),
+                     functools.partial(setattr, runnables, "range")))
     for n in sizes:
         recorded = _record_piece_inputs(split, example_args(n), {p.name for p, _ in unique.values()})
         for sig, (piece, runnables) in unique.items():
             gm = piece.graph_module
             if device.type == "cpu" and n <= CPU_GEMV_MAX_TOKENS:
                 gm, _ = decompose_linears(gm)
-            runnables.exact[n] = compile_(f"piece {index_of[sig]} [{n}]", gm, recorded[piece.name], dynamic=False)
+            jobs.append((CompileJob(f"piece {index_of[sig]} [{n}]", gm, recorded[piece.name], dynamic=False),
+                         functools.partial(runnables.exact.__setitem__, n)))
+    return jobs
 
 
-def _compile_logits_heads(model: nn.Module, sizes: list[int], device: torch.device,
-                          compile_: _Compiler) -> dict[int, Callable[..., Any]]:
+def _head_jobs(model: nn.Module, sizes: list[int], device: torch.device,
+               heads: dict[int, Callable[..., Any]]) -> list[tuple[CompileJob, Install]]:
     weight = model.logits_weight()
-    heads = {}
+    jobs = []
     for n in sizes:
         hidden = torch.zeros(n, weight.shape[1], dtype=weight.dtype, device=device)
-        heads[n] = compile_(f"logits head [{n}]", logits_head_graph(), [hidden, weight], dynamic=False)
-    return heads
+        jobs.append((CompileJob(f"logits head [{n}]", logits_head_graph(), [hidden, weight], dynamic=False),
+                     functools.partial(heads.__setitem__, n)))
+    return jobs
+
+
+def _run_jobs(jobs: list[tuple[CompileJob, Install]], config: CompilationConfig, device: torch.device,
+              stats: CompileStats, progress: bool | None) -> None:
+    """Compile every job (in parallel workers on CPU, ``kiln.compiler.parallel``;
+    on a GPU, Inductor's own workers compile each graph's kernels) and install
+    the results, counting and timing each compilation."""
+    options = dict(config.inductor_options or {})
+    workers = compile_workers(len(jobs)) if device.type == "cpu" else 1
+    with Progress(len(jobs), f"compiling ({workers} workers)", enabled=progress) as bar:
+        def done(job: CompileJob, seconds: float) -> None:
+            stats.compile_seconds[job.label] = round(seconds, 4)
+            stats.inductor_compiles += 1
+            bar.update(job.label)
+
+        with tempfile.TemporaryDirectory(prefix="kiln-compile-jobs-") as scratch:
+            artifacts = run_jobs([job for job, _ in jobs],
+                                 lambda job: inductor_compile(job.graph, job.inputs, dynamic=job.dynamic,
+                                                              options=options),
+                                 workers, Path(scratch), done)
+    for (_, install), artifact in zip(jobs, artifacts):
+        install(artifact)
+    stats.compile_workers = workers
+
+
+@dataclass(frozen=True)
+class TracedModel:
+    """The model traced once and split at attention, ready to compile."""
+
+    captured: CapturedGraph
+    split: SplitGraph
+    pristine: bytes  # the pickled split graph, before compiled pieces are installed, for the cache
+    phases: dict[str, float]
+
+
+def trace_model(model: nn.Module, config: CompilationConfig, device: torch.device) -> TracedModel:
+    """One Dynamo trace of ``model``, split at the splitting ops."""
+    t0 = time.perf_counter()
+    captured: CapturedGraph = capture(model, device)
+    t1 = time.perf_counter()
+    split = split_graph(captured.graph_module, list(config.splitting_ops or []))
+    pristine = pickle.dumps(split.module)
+    return TracedModel(captured, split, pristine,
+                       {"trace": round(t1 - t0, 4), "split": round(time.perf_counter() - t1, 4)})
+
+
+def compile_traced(
+    traced: TracedModel,
+    model: nn.Module,
+    config: CompilationConfig,
+    *,
+    max_num_tokens: int,
+    device: torch.device,
+    progress: bool | None = None,
+    eager_impls: dict[str, Any] | None = None,
+) -> tuple[CompiledModel, CompileStats, bytes]:
+    """Compile every unique compute piece of ``traced`` for token counts
+    ``[1, max_num_tokens]``, with exact runnables for ``config.compile_sizes``
+    (``config`` must be resolved), and the CPU LM heads.
+
+    ``eager_impls`` ("ns::op" -> Python function) are called directly in the
+    attention pieces. Returns the callable, its statistics, and the pickled split
+    graph for ``save_compiled``."""
+    stats = CompileStats(dynamo_traces=1, phases=dict(traced.phases))
+    t0 = time.perf_counter()
+    split, captured = traced.split, traced.captured
+    unique = _unique_pieces(split, max_num_tokens)
+    stats.pieces, stats.unique_pieces = len(split.compute_pieces), len(unique)
+    sizes = list(config.compile_sizes or [])
+    head_sizes = [n for n in sizes if n <= CPU_GEMV_MAX_TOKENS] if device.type == "cpu" else []
+    bind = ArgumentBinder(captured.inputs, model)
+
+    def example_args(n: int) -> list[Any]:
+        return bind(torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, dtype=torch.long, device=device))
+
+    logits_heads: dict[int, Callable[..., Any]] = {}
+    jobs = _piece_jobs(split, unique, example_args, sizes, max_num_tokens, device)
+    _run_jobs(jobs + _head_jobs(model, head_sizes, device, logits_heads), config, device, stats, progress)
+    stats.phases["compile"] = round(time.perf_counter() - t0, 4)
+    logger.info(
+        "compiled %d pieces (%d unique) x %d buckets: %d Inductor compilations in %.1fs (%d workers)",
+        stats.pieces, stats.unique_pieces, 1 + len(sizes), stats.inductor_compiles, stats.phases["compile"],
+        stats.compile_workers,
+    )
+    if eager_impls:
+        bind_eager_implementations(split.module, eager_impls)
+    pieces = {sig: runnables for sig, (_, runnables) in unique.items()}
+    signatures = {p.name: p.signature for p in split.compute_pieces}
+    compiled = CompiledModel(split.module, captured.inputs, model, pieces, signatures, logits_heads)
+    return compiled, stats, traced.pristine
 
 
 def compile_model(
@@ -186,42 +274,6 @@ def compile_model(
     progress: bool | None = None,
     eager_impls: dict[str, Any] | None = None,
 ) -> tuple[CompiledModel, CompileStats, bytes]:
-    """Piecewise-compile ``model`` for token counts ``[1, max_num_tokens]`` with
-    exact runnables for ``config.compile_sizes``. ``config`` must be resolved.
-
-    ``eager_impls`` ("ns::op" -> Python function) are called directly in the
-    attention pieces. Returns the callable, its statistics, and the pickled split
-    graph (before compiled pieces and direct calls were installed) for
-    ``save_compiled``."""
-    stats = CompileStats(dynamo_traces=1)
-    t0 = time.perf_counter()
-    captured: CapturedGraph = capture(model, device)
-    t1 = time.perf_counter()
-    split = split_graph(captured.graph_module, list(config.splitting_ops or []))
-    pristine = pickle.dumps(split.module)  # before compiled pieces are installed, for the cache
-    t2 = time.perf_counter()
-    stats.phases.update(trace=round(t1 - t0, 4), split=round(t2 - t1, 4))
-    unique = _unique_pieces(split, max_num_tokens)
-    stats.pieces, stats.unique_pieces = len(split.compute_pieces), len(unique)
-    sizes = list(config.compile_sizes or [])
-    head_sizes = [n for n in sizes if n <= CPU_GEMV_MAX_TOKENS] if device.type == "cpu" else []
-    bind = ArgumentBinder(captured.inputs, model)
-
-    def example_args(n: int) -> list[Any]:
-        return bind(torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, dtype=torch.long, device=device))
-
-    with Progress(len(unique) * (1 + len(sizes)) + len(head_sizes), "compiling", enabled=progress) as bar:
-        compile_ = _Compiler(config, stats, bar)
-        _compile_pieces(split, unique, example_args, sizes, max_num_tokens, device, compile_)
-        logits_heads = _compile_logits_heads(model, head_sizes, device, compile_)
-    stats.phases["compile"] = round(time.perf_counter() - t2, 4)
-    logger.info(
-        "compiled %d pieces (%d unique) x %d buckets: %d Inductor compilations in %.1fs",
-        stats.pieces, stats.unique_pieces, 1 + len(sizes), stats.inductor_compiles, stats.phases["compile"],
-    )
-    if eager_impls:
-        bind_eager_implementations(split.module, eager_impls)
-    pieces = {sig: runnables for sig, (_, runnables) in unique.items()}
-    signatures = {p.name: p.signature for p in split.compute_pieces}
-    compiled = CompiledModel(split.module, captured.inputs, model, pieces, signatures, logits_heads)
-    return compiled, stats, pristine
+    """``trace_model`` then ``compile_traced``: piecewise-compile ``model``."""
+    return compile_traced(trace_model(model, config, device), model, config, max_num_tokens=max_num_tokens,
+                          device=device, progress=progress, eager_impls=eager_impls)

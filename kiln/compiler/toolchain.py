@@ -15,13 +15,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kiln.cache.store import file_sha256
 
 __all__ = [
+    "ToolchainWarmup",
     "checksum_kernels",
     "compiler_identity",
     "kernel_files",
@@ -110,8 +116,11 @@ def compiler_identity() -> dict[str, Any] | None:
 
 
 @contextlib.contextmanager
-def recorded_compiler(identity: dict[str, Any] | None) -> Iterator[None]:
-    """Inside, Inductor's questions about the compiler are answered from the entry."""
+def recorded_compiler(identity: dict[str, Any] | None, *, kernels_built: bool = True) -> Iterator[None]:
+    """Inside, Inductor's questions about the compiler are answered from the
+    entry. With ``kernels_built`` (every kernel library the entry needs is in
+    the cache), the precompiled C++ header that loading a kernel would first
+    build is skipped too: it only serves a build, and none will run."""
     if not identity:
         yield
         return
@@ -122,6 +131,8 @@ def recorded_compiler(identity: dict[str, Any] | None) -> Iterator[None]:
         (cpp_builder, "get_compiler_version_info"): lambda compiler: identity["version"],
         (codecache, "get_compiler_version_info"): lambda compiler: identity["version"],
     }
+    if kernels_built:
+        patches[(codecache, "_precompile_header")] = lambda *args, **kwargs: ""
     for name in _IDENTITY_CHECKS:
         if name in identity:
             patches[(cpp_builder, name)] = lambda compiler, _v=identity[name]: _v
@@ -156,3 +167,49 @@ def kernel_files(inductor_dir: Path) -> Iterator[set[str]]:
 def checksum_kernels(inductor_dir: Path, names: set[str] | list[str]) -> dict[str, str]:
     """name -> sha256 of each kernel library that exists."""
     return {n: file_sha256(inductor_dir / n) for n in sorted(names) if (inductor_dir / n).is_file()}
+
+
+class ToolchainWarmup:
+    """The compiler's one-time work of a cold CPU compile, done in a forked
+    process while this one traces the model: the vector ISA probe builds and
+    the precompiled C++ header (about 3 s and 7 s of g++ here), which would
+    otherwise hold up the first compilation. Both land in caches the compile
+    then finds (the probe libraries in the Inductor cache, the header under
+    $TMPDIR), each built under Inductor's own lock, so nothing is built twice
+    and nothing waits for a build that failed: the compile does it then.
+    Elsewhere than Linux, or for a GPU, nothing runs."""
+
+    def __init__(self, device_type: str) -> None:
+        self.pid: int | None = None
+        if device_type == "cpu" and sys.platform.startswith("linux"):
+            self.pid = os.fork()
+            if self.pid == 0:
+                self._child()
+
+    @staticmethod
+    def _child() -> None:
+        status = 1
+        try:
+            vec_isa_record()
+            gm = torch.fx.symbolic_trace(_VectorizedKernel())  # builds the header on its way to one kernel
+            torch._inductor.standalone_compile(gm, [torch.zeros(256)], dynamic_shapes="from_example_inputs",
+                                               options={})
+            status = 0
+        except BaseException:  # noqa: BLE001  (the compile builds what is missing itself)
+            traceback.print_exc()
+        finally:
+            os._exit(status)
+
+    def join(self) -> None:
+        if self.pid is not None:
+            _, status = os.waitpid(self.pid, 0)
+            if status:
+                logger.debug("the toolchain warm-up ended with status %d", status)
+            self.pid = None
+
+
+class _VectorizedKernel(torch.nn.Module):
+    """A one-line graph whose C++ kernel uses the vector ISA, as the model's do."""
+
+    def forward(self, x):  # type: ignore[no-untyped-def]  # unannotated: FX writes annotations into its code
+        return (x * 2.0 + 1.0,)

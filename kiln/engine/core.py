@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import replace
 
+from kiln.engine.background_compile import BackgroundCompile
 from kiln.engine.outputs import EngineOutputs, EngineStats
 from kiln.engine.request import Request, RequestId, SamplingParams
 from kiln.engine.runner import ModelRunner
@@ -32,9 +33,11 @@ class Engine:
     calls it (the front-ends hold a lock or run one engine thread)."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, *, vocab_size: int,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], background: BackgroundCompile | None = None) -> None:
         self.scheduler = scheduler
         self.runner = runner
+        # a build of the compiled pieces still running; they are swapped in between two steps
+        self.background = background
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.max_model_len = scheduler.max_model_len
@@ -76,7 +79,20 @@ class Engine:
         for rid in request_ids:
             self.scheduler.finish(rid, "abort")
 
+    def swap_if_ready(self) -> bool:
+        """Swap a background build's compiled pieces in if they are ready: at the
+        start of every step, and by a front-end whose engine is idle."""
+        if self.background is None or not self.background.ready():
+            return False
+        self.background.install(self.runner)
+        return True
+
+    def background_pending(self) -> bool:
+        """Whether a background build may still swap compiled pieces in."""
+        return self.background is not None and self.background.pending
+
     def step(self) -> EngineOutputs:
+        self.swap_if_ready()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self.scheduler.has_unfinished():
@@ -108,4 +124,6 @@ class Engine:
             prepare_seconds=run.prepare_seconds,
             model_seconds=run.model_seconds,
             sample_seconds=run.sample_seconds,
+            execution="compiled" if self.runner.compiled is not None else "eager",
+            background_compile=self.background.state if self.background is not None else "off",
         )

@@ -11,6 +11,7 @@ runner or CUDA graphs. Every step reads the one frozen ``ResolvedConfig``.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -23,9 +24,12 @@ import torch
 
 from kiln.attention.backend import create_attention_backend, resolve_attention_backend
 from kiln.cache.bundle import Bundle, BuildRecord, read_bundle
+from kiln.cache.keys import cache_key
+from kiln.cache.store import private_copy, read_manifest, writable
 from kiln.checkpoint import Checkpoint, open_checkpoint
 from kiln.checkpoint.names import resolve_model_name
 from kiln.config import DEFAULT_LEVEL, CompilationConfig, CUDAGraphMode, EngineConfig, default_cache_dir
+from kiln.engine.background_compile import BackgroundCompile, BuildSpec
 from kiln.engine.kv_cache_manager import KVCacheManager
 from kiln.engine.config import (
     ResolvedConfig,
@@ -48,7 +52,8 @@ __all__ = ["LoadOptions", "LoadedEngine", "build_compiled", "load_engine", "pars
 
 logger = logging.getLogger(__name__)
 
-_LOAD_FIELDS = {"on_mismatch", "weights_path"}
+_LOAD_FIELDS = {"on_mismatch", "weights_path", "compile"}
+COMPILE_MODES = ("blocking", "background")
 _COMPILATION_FIELDS = {"compile_sizes", "splitting_ops", "inductor_options", "cudagraph_mode",
                        "cudagraph_capture_sizes"}
 
@@ -87,6 +92,7 @@ class LoadOptions:
     attention_backend: str
     on_mismatch: str
     weights_path: Path | None
+    compile: str  # "blocking": compile before serving; "background": serve eagerly meanwhile
 
 
 def _resolve_device(device: "str | torch.device | None") -> torch.device:
@@ -116,6 +122,9 @@ def parse_options(path: "str | Path", *, optimization_level: int | None = None, 
     on_mismatch = fields_.get("on_mismatch") or "error"
     if on_mismatch not in ("error", "recompile"):
         raise ValueError(f"on_mismatch must be 'error' or 'recompile', got {on_mismatch!r}")
+    compile_mode = fields_.get("compile") or "blocking"
+    if compile_mode not in COMPILE_MODES:
+        raise ValueError(f"compile must be 'blocking' or 'background', got {compile_mode!r}")
     if optimization_level is not None:
         CompilationConfig(level=optimization_level)  # raises for an unknown level
     compilation = {k: v for k, v in fields_.items() if k in _COMPILATION_FIELDS and v is not None}
@@ -129,7 +138,7 @@ def parse_options(path: "str | Path", *, optimization_level: int | None = None, 
         compilation=compilation,
         cache_dir=Path(cache_dir).expanduser() if cache_dir else default_cache_dir(),
         attention_backend=resolve_attention_backend(attention_backend, dev), on_mismatch=on_mismatch,
-        weights_path=Path(weights_path).expanduser() if weights_path else None,
+        weights_path=Path(weights_path).expanduser() if weights_path else None, compile=compile_mode,
     )
 
 
@@ -203,8 +212,9 @@ def resolve_config(source: ModelSource, options: LoadOptions) -> ResolvedConfig:
 
 
 # ------------------------------------------------------------------ 4. model
-def load_model(config: ResolvedConfig, source: ModelSource) -> CausalLM:
-    return build_model(config.model, source.checkpoint, config.dtype, config.device, config.rope_positions)
+def load_model(config: ResolvedConfig, source: ModelSource, weights: bool = True) -> CausalLM:
+    return build_model(config.model, source.checkpoint, config.dtype, config.device, config.rope_positions,
+                       weights=weights)
 
 
 # ------------------------------------------------------------------ 5. compile
@@ -216,7 +226,7 @@ def compile_or_load(model: CausalLM, config: ResolvedConfig, source: ModelSource
     if config.compilation.level == 0:
         return None
     from kiln.attention.op import EAGER_IMPLEMENTATIONS
-    from kiln.compiler.cached import FactorMismatchError, load_entry, load_or_compile, private_copy
+    from kiln.compiler.cached import FactorMismatchError, load_entry, load_or_compile
 
     factors = config.cache_factors()
     cache_root = cache_root or options.cache_dir
@@ -239,6 +249,58 @@ def compile_or_load(model: CausalLM, config: ResolvedConfig, source: ModelSource
         factors=factors, cache_root=cache_root, eager_impls=EAGER_IMPLEMENTATIONS,
         header={"model": config.model.architecture, "level": config.compilation.level},
     )
+
+
+def _load_cached(model: CausalLM, config: ResolvedConfig, cache_root: Path, source: str) -> "CompiledEntry | None":
+    """The automatic cache's entry for ``config``, loaded without a lock; None
+    when it is missing, incomplete or damaged. A missing one costs no import of
+    Dynamo or Inductor."""
+    key = cache_key(config.cache_factors())
+    if read_manifest(cache_root / "compiled" / key) is None:
+        return None
+    from kiln.attention.op import EAGER_IMPLEMENTATIONS
+    from kiln.compiler.cached import load_entry
+
+    inductor = cache_root / "inductor"
+    if not writable(inductor):
+        inductor = private_copy(inductor, "kiln-inductor-")
+    return load_entry(cache_root / "compiled" / key, model, config.max_num_batched_tokens,
+                      factors=config.cache_factors(), source=source, inductor_dir=inductor, lock_free=True,
+                      eager_impls=EAGER_IMPLEMENTATIONS)
+
+
+def _jsonable_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``Runtime.load`` options as JSON values, for the background build process."""
+    out: dict[str, Any] = {}
+    for k, v in kwargs.items():
+        if v is None or k == "compile":
+            continue
+        if isinstance(v, torch.dtype):
+            v = str(v).removeprefix("torch.")
+        elif isinstance(v, (torch.device, Path)):
+            v = str(v)
+        out[k] = v
+    return json.loads(json.dumps(out, default=str))
+
+
+def start_background_compile(b: "_Built", kwargs: dict[str, Any]) -> BackgroundCompile:
+    """Build the compiled pieces in another process while the engine runs
+    eagerly (``kiln.engine.background_compile``). A read-only cache gets a
+    private one, removed at exit."""
+    config, model = b.config, b.model
+    cache_root = b.options.cache_dir
+    if not (writable(cache_root / "compiled") and writable(cache_root / "inductor")):
+        cache_root = private_copy(None, "kiln-cache-")
+        logger.warning("kiln's cache %s is read-only: the background build goes to the temporary cache %s",
+                       b.options.cache_dir, cache_root)
+    spec = BuildSpec(b.options.path, {**_jsonable_options(kwargs), "cache_dir": str(cache_root)},
+                     cache_key(config.cache_factors()), cache_root)
+
+    def capture(runner: ModelRunner) -> None:
+        capture_graphs(runner, config)
+
+    return BackgroundCompile(spec, lambda: _load_cached(model, config, cache_root, "background"),
+                             t0=b.phases.t0, after_swap=capture).start()
 
 
 # ------------------------------------------------------------------ 6. KV cache
@@ -277,7 +339,8 @@ def allocate_kv_cache(config: ResolvedConfig, num_blocks: int) -> list[torch.Ten
 
 
 # ------------------------------------------------------------------ 7. engine
-def build_engine(config: ResolvedConfig, model: CausalLM, compiled: Any, kv_caches: list[torch.Tensor]) -> Engine:
+def build_engine(config: ResolvedConfig, model: CausalLM, compiled: Any, kv_caches: list[torch.Tensor],
+                 background: BackgroundCompile | None = None) -> Engine:
     num_blocks = kv_caches[0].shape[1]
     kv = KVCacheManager(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
     scheduler = Scheduler(kv, config.max_num_seqs,
@@ -287,18 +350,19 @@ def build_engine(config: ResolvedConfig, model: CausalLM, compiled: Any, kv_cach
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
         max_model_len=config.max_model_len, device=config.device, seed=config.seed, compiled=compiled,
     )
-    return Engine(scheduler, runner, vocab_size=config.model.vocab_size, eos_token_ids=config.eos_token_ids)
+    return Engine(scheduler, runner, vocab_size=config.model.vocab_size, eos_token_ids=config.eos_token_ids,
+                  background=background)
 
 
 # ------------------------------------------------------------------ 8. CUDA graphs
-def capture_graphs(engine: Engine, config: ResolvedConfig) -> tuple[CUDAGraphMode, CaptureReport]:
+def capture_graphs(runner: ModelRunner, config: ResolvedConfig) -> tuple[CUDAGraphMode, CaptureReport]:
     """Install and capture CUDA graphs when the resolved mode asks for them; the
     dispatcher downgrades the mode to what the attention backend and the
-    compiled model allow. Returns the mode that runs."""
+    compiled model allow. Returns the mode that runs. (A background build's
+    pieces get theirs when they are swapped in.)"""
     requested = config.compilation.cudagraph_mode or CUDAGraphMode.NONE
     if requested is CUDAGraphMode.NONE:
         return requested, CaptureReport()
-    runner = engine.runner
     dispatcher = CUDAGraphDispatcher(
         requested, list(config.compilation.cudagraph_capture_sizes or []),
         support=runner.attention_backend.cudagraph_support, has_pieces=runner.compiled is not None,
@@ -317,8 +381,26 @@ class LoadedEngine:
     tokenizer: Any
     config: ResolvedConfig
     source: ModelSource
-    compiled: "CompiledEntry | None"
+    compiled: "CompiledEntry | None"  # what the engine started with
     startup_report: dict[str, Any]
+    background: BackgroundCompile | None = None  # the build started on a cache miss (compile="background")
+
+    def report(self) -> dict[str, Any]:
+        """The startup report, with the background build's state as of now."""
+        if self.background is None:
+            return self.startup_report
+        return {**self.startup_report, "background_compile": self.background.report()}
+
+    def compiled_entry(self) -> "CompiledEntry | None":
+        """The compiled entry the engine runs now."""
+        if self.background is not None and self.background.entry is not None:
+            return self.background.entry
+        return self.compiled
+
+    def close(self) -> None:
+        """Stop a background build that is still running."""
+        if self.background is not None:
+            self.background.stop()
 
 
 def _compile_report(stats: "CompileStats | None") -> dict[str, Any]:
@@ -330,12 +412,15 @@ def _compile_report(stats: "CompileStats | None") -> dict[str, Any]:
 
 
 def startup_report(config: ResolvedConfig, engine: Engine, compiled: "CompiledEntry | None", mode: CUDAGraphMode,
-                   capture: CaptureReport, phases: Phases) -> dict[str, Any]:
+                   capture: CaptureReport, phases: Phases, compile_mode: str) -> dict[str, Any]:
     kv_bytes = sum(t.numel() * t.element_size() for t in engine.runner.kv_caches)
     dispatcher = engine.runner.dispatcher
     return {
         "phases": phases.seconds,
         "total_seconds": phases.total(),
+        "compile_mode": compile_mode,
+        # what the first step runs; a background build's state: Runtime.startup_report, stats()
+        "execution": "compiled" if compiled is not None else "eager",
         "config": config.to_dict(),
         "optimization_level": config.compilation.level,
         "compilation": config.compilation.to_dict(),
@@ -367,44 +452,70 @@ class _Built:
     model: CausalLM
 
 
-def _build(path: "str | Path", kwargs: dict[str, Any]) -> _Built:
+def _build(path: "str | Path", kwargs: dict[str, Any], weights: bool = True) -> _Built:
+    """Options, source, config and model. Without ``weights`` the parameters are
+    checked against the checkpoint but left uninitialised: compiled code does
+    not depend on their values."""
     phases = Phases()
     options = parse_options(path, **kwargs)
     source = open_source(options, phases)
     with phases("load_config"):
         config = resolve_config(source, options)
     with phases("load_weights"):
-        model = load_model(config, source)
+        model = load_model(config, source, weights)
     return _Built(phases, options, source, config, model)
+
+
+def _compiled_at_start(b: _Built, kwargs: dict[str, Any]) -> "tuple[CompiledEntry | None, BackgroundCompile | None]":
+    """Blocking: the compiled pieces, compiled now on a miss. Background: the
+    pieces when a bundle or the cache holds them, else none yet and a build
+    started in another process."""
+    if b.config.compilation.level == 0:
+        return None, None
+    if b.options.compile == "blocking" or b.source.bundle is not None:
+        with b.phases("import_compiler"):  # Dynamo and Inductor: the bulk of a warm start after the weights
+            from kiln.compiler.artifacts import warm_up
+
+            warm_up()
+        return compile_or_load(b.model, b.config, b.source, b.options), None
+    with b.phases("load_cached"):
+        found = _load_cached(b.model, b.config, b.options.cache_dir, "hit")
+    if found is not None:
+        return found, None
+    with b.phases("start_background_compile"):
+        return None, start_background_compile(b, kwargs)
 
 
 def load_engine(path: "str | Path", **kwargs: Any) -> LoadedEngine:
     """Every load step in order; see ``kiln.Runtime.load`` for the options."""
     b = _build(path, kwargs)
     phases, options, source, config, model = b.phases, b.options, b.source, b.config, b.model
-    compiled = compile_or_load(model, config, source, options)
+    compiled, background = _compiled_at_start(b, kwargs)
     if compiled is not None:
         phases.seconds.update(compiled.stats.phases)
     with phases("allocate_kv_cache"):
         kv_caches = allocate_kv_cache(config, size_kv_cache(config, model, compiled and compiled.model))
-    engine = build_engine(config, model, compiled and compiled.model, kv_caches)
+    engine = build_engine(config, model, compiled and compiled.model, kv_caches, background)
     with phases("cudagraph_capture"):
-        mode, capture = capture_graphs(engine, config)
-    report = startup_report(config, engine, compiled, mode, capture, phases)
+        mode, capture = capture_graphs(engine.runner, config) if background is None else (CUDAGraphMode.NONE,
+                                                                                        CaptureReport())
+    report = startup_report(config, engine, compiled, mode, capture, phases, options.compile)
     logger.info(
         "loaded %s (%s, %s on %s, -O%d, compile cache %s) in %.2fs: %d KV blocks of %d tokens",
         options.path, config.model.architecture, report["dtype"], config.device, config.compilation.level,
         report["compile_cache"], report["total_seconds"], report["num_kv_blocks"], config.block_size,
     )
-    return LoadedEngine(engine, source.tokenizer, config, source, compiled, report)
+    return LoadedEngine(engine, source.tokenizer, config, source, compiled, report, background)
 
 
 def build_compiled(path: "str | Path", cache_root: Path, **kwargs: Any) -> tuple[BuildRecord, dict[str, Any]]:
     """``kiln compile``: resolve, build the model and compile it into
-    ``cache_root`` (a private cache: its Inductor directory then holds exactly
-    what the entry needs). No KV cache, scheduler, runner or CUDA graphs.
-    Returns the build record and a report (phases, counts)."""
-    b = _build(path, kwargs)
+    ``cache_root`` (``kiln compile``'s private cache, whose Inductor directory
+    then holds exactly what the entry needs; a background build's automatic
+    cache). No KV cache, scheduler, runner or CUDA graphs. The weights are
+    checked (names, shapes) but not read: the code does not depend on their
+    values. Returns the build record and a report (phases, counts)."""
+    b = _build(path, kwargs, weights=False)
     phases, source, config = b.phases, b.source, b.config
     compiled = compile_or_load(b.model, config, source, b.options, cache_root=cache_root)
     if compiled is None:

@@ -53,6 +53,9 @@ class EngineStats:
     prepare_seconds: float  # host work to build the step's inputs
     model_seconds: float  # forward and LM head
     sample_seconds: float
+    execution: str = "eager"  # "eager" or "compiled": what the steps run now
+    # "off", or a background build's state: building, loading, ready, swapped, failed
+    background_compile: str = "off"
 
 
 @dataclass

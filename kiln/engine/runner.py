@@ -82,6 +82,16 @@ class ModelRunner:
         self.stats = RunnerStats()
         self.dispatcher: CUDAGraphDispatcher | None = None
 
+    def use_compiled(self, compiled: Any) -> None:
+        """Run the compiled pieces from the next step on (a background build
+        finished): the forward and the LM head are the compiled model's, over
+        the same parameters and KV cache. Only before CUDA graphs are installed."""
+        if self.dispatcher is not None:
+            raise RuntimeError("the compiled pieces must be swapped in before CUDA graphs are captured")
+        self.forward = compiled
+        self.compute_logits = compiled.compute_logits
+        self.compiled = compiled
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> SamplerOutput:
         """Run the step; one sampled token (and its logprobs, when asked) per

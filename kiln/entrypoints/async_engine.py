@@ -104,7 +104,7 @@ class AsyncEngine:
         self.engine = loaded.engine
         self.tokenizer = loaded.tokenizer
         self.config = loaded.config
-        self.startup_report = loaded.startup_report
+        self._loaded = loaded
         self._processor = OutputProcessor(loaded.tokenizer)
         self._inbox: list[_Add | str] = []  # adds, and aborts by request id
         self._inbox_lock = threading.Lock()
@@ -118,6 +118,11 @@ class AsyncEngine:
         self.stats: EngineStats = self.engine.stats()  # refreshed after every step
 
     @property
+    def startup_report(self) -> dict[str, Any]:
+        """The load's report, with a background compile's state as of now."""
+        return self._loaded.report()
+
+    @property
     def healthy(self) -> bool:
         return self.dead is None and self._thread is not None and self._thread.is_alive()
 
@@ -127,6 +132,7 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self) -> None:
+        self._loaded.close()
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
@@ -171,8 +177,13 @@ class AsyncEngine:
             while not self._stopping:
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
-                    self._wake.wait()
+                    # idle: a background build's pieces are swapped in without waiting for a request
+                    pending = self.engine.background_pending()
+                    self._wake.wait(timeout=0.5 if pending else None)
                     self._wake.clear()
+                    if pending:
+                        self.engine.swap_if_ready()
+                        self.stats = self.engine.stats()
                     continue
                 self._step()
         except BaseException as e:  # noqa: BLE001  (reported to every request and to /health)

@@ -63,6 +63,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute shared prompt prefixes instead of reusing their cached KV blocks")
     p.add_argument("--cache-dir", default=None, help="kiln's cache directory")
+    p.add_argument("--compile", default=None, choices=["blocking", "background"],
+                   help="on a compile-cache miss: compile before serving (blocking), or serve eagerly at once and "
+                        "swap the compiled pieces in when a background build finishes (background); default: "
+                        "background for `kiln serve`, blocking otherwise")
 
 
 def _add_run_options(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -101,7 +105,9 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
         optimization_level=args.level, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=getattr(args, "max_num_seqs", None), max_num_batched_tokens=args.max_num_batched_tokens,
         cache_dir=args.cache_dir, attention_backend=args.attention_backend,
-        enable_prefix_caching=args.enable_prefix_caching, **_compilation_overrides(args),
+        enable_prefix_caching=args.enable_prefix_caching,
+        compile=args.compile or ("background" if args.command == "serve" else "blocking"),
+        **_compilation_overrides(args),
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import numbers
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -75,11 +76,11 @@ class Runtime:
         self.engine = loaded.engine
         self.tokenizer = loaded.tokenizer
         self.config = loaded.config
-        self.compiled = loaded.compiled
-        self.startup_report = loaded.startup_report
+        self._loaded = loaded
         self._processor = OutputProcessor(loaded.tokenizer)
         self._lock = threading.RLock()
         self._ids = itertools.count()
+        weakref.finalize(self, loaded.close)  # a background build nobody will use stops
 
     @classmethod
     def load(
@@ -96,13 +97,20 @@ class Runtime:
         num_kv_blocks: int | None = None,
         cache_dir: "str | Path | None" = None,
         attention_backend: str | None = None,
+        compile: str = "blocking",
         **overrides: Any,
     ) -> "Runtime":
-        """Load a Hugging Face checkpoint directory, a bundle written by
-        ``kiln compile``, or ``"demo"``.
+        """Load a Hugging Face checkpoint directory, a ``.gguf`` file, a bundle
+        written by ``kiln compile``, ``"demo"`` or a repo id in the local
+        Hugging Face cache.
 
         ``optimization_level`` defaults to 2, or to the level a bundle was
-        compiled at. ``cache_dir`` holds compiled entries (default: kiln's cache
+        compiled at. ``compile="blocking"`` (the default) compiles the model
+        before ``load`` returns when the compile cache has no entry for it;
+        ``compile="background"`` returns at eager speed instead, compiles in
+        another process and swaps the compiled pieces in between two steps when
+        they are ready (``startup_report["background_compile"]`` and
+        ``stats().execution`` say when). ``cache_dir`` holds compiled entries (default: kiln's cache
         directory). ``attention_backend`` is ``"auto"`` (Triton on CUDA, torch
         elsewhere), ``"torch"`` or ``"triton"``; left as ``None`` it comes from
         ``KILN_ATTENTION_BACKEND``, else ``"auto"``. ``overrides`` take engine
@@ -118,10 +126,28 @@ class Runtime:
         return cls(load_engine(
             path, optimization_level=optimization_level, device=device, dtype=dtype, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-            num_kv_blocks=num_kv_blocks, cache_dir=cache_dir, attention_backend=attention_backend, **overrides,
+            num_kv_blocks=num_kv_blocks, cache_dir=cache_dir, attention_backend=attention_backend, compile=compile,
+            **overrides,
         ))
 
     # ------------------------------------------------------------- properties
+    @property
+    def startup_report(self) -> dict[str, Any]:
+        """Seconds per load phase, the resolved config, KV cache size and
+        compile counts; with ``compile="background"``, the build's state as of
+        now (``background_compile``: state, seconds, when the swap happened)."""
+        return self._loaded.report()
+
+    @property
+    def compiled(self) -> Any:
+        """The compiled entry the engine runs (None while eager)."""
+        return self._loaded.compiled_entry()
+
+    def close(self) -> None:
+        """Stop a background compile that is still running; the engine keeps
+        serving with what it runs now."""
+        self._loaded.close()
+
     @property
     def device(self) -> torch.device:
         return self.config.device

@@ -36,6 +36,9 @@ def test_explicit_settings_survive_every_level(level) -> None:
     assert defaults.inductor_options.get("max_autotune", False) == (level == 3)
     on_cpu = cfg.resolve(device_type="cpu", max_num_seqs=8, max_num_batched_tokens=64)
     assert on_cpu.cudagraph_mode is CUDAGraphMode.NONE and on_cpu.compile_sizes == (3, 5)
+    # on CPU the level's exact sizes stop where small-batch linears stop being reductions
+    cpu_defaults = CompilationConfig(level=level).resolve(device_type="cpu", max_num_seqs=8, max_num_batched_tokens=64)
+    assert cpu_defaults.compile_sizes == {0: (), 1: (), 2: (1, 2, 4), 3: (1, 2, 4)}[level]
 
 
 def test_frozen_configs_cannot_change_after_resolution() -> None:

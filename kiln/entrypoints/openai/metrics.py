@@ -25,14 +25,17 @@ _TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 5
 class _EngineCollector(Collector):
     """Gauges and counters the engine keeps, read at scrape time."""
 
-    def __init__(self, model: str, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, model: str, stats: Callable[[], EngineStats | None],
+                 report: Callable[[], dict[str, Any]]) -> None:
         self.model = model
         self.stats = stats
+        self.report = report
 
     def collect(self) -> Iterator[Any]:
         stats = self.stats()
         if stats is None:
             return
+        yield from self._background(self.report().get("background_compile"))
         for name, doc, value in (
             ("kiln:num_requests_running", "Requests in the running batch.", stats.num_running),
             ("kiln:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
@@ -41,6 +44,11 @@ class _EngineCollector(Collector):
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric([self.model], value)
             yield g
+        g = GaugeMetricFamily("kiln:execution_info", "What the steps run now (value 1): eager or compiled, and "
+                              "the background compile's state (off, building, loading, ready, swapped, failed).",
+                              labels=["model_name", "execution", "background_compile"])
+        g.add_metric([self.model, stats.execution, stats.background_compile], 1)
+        yield g
         for name, doc, value in (
             ("kiln:num_preemptions", "Requests preempted (recomputed later).", stats.num_preemptions),
             ("kiln:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
@@ -50,9 +58,23 @@ class _EngineCollector(Collector):
             c.add_metric([self.model], value)
             yield c
 
+    def _background(self, build: dict[str, Any] | None) -> Iterator[Any]:
+        """A background compile's seconds: how long the build took, when the
+        compiled pieces were swapped in (from the start of loading)."""
+        for name, doc, key in (
+            ("kiln:background_compile_build_seconds", "Seconds the background compile took.", "build_seconds"),
+            ("kiln:background_compile_swapped_at_seconds", "When the compiled pieces were swapped in, in seconds "
+             "after loading started.", "swapped_at_seconds"),
+        ):
+            if build is not None and build.get(key) is not None:
+                g = GaugeMetricFamily(name, doc, labels=["model_name"])
+                g.add_metric([self.model], build[key])
+                yield g
+
 
 class ServerMetrics:
-    def __init__(self, model: str, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, model: str, stats: Callable[[], EngineStats | None],
+                 report: Callable[[], dict[str, Any]] = dict) -> None:
         self.model = model
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
@@ -78,7 +100,7 @@ class ServerMetrics:
         self.startup_info = Gauge("kiln:startup_info", "Compile cache state and CUDA graph mode (value 1).",
                                   labels + ["compile_cache", "cudagraph_mode", "optimization_level"], registry=r)
         self.artifacts = Gauge("kiln:artifacts_loaded", "Compiled artifacts loaded at startup.", labels, registry=r)
-        r.register(_EngineCollector(model, stats))
+        r.register(_EngineCollector(model, stats, report))
 
     def record_startup(self, report: dict[str, Any]) -> None:
         for phase, seconds in report.get("phases", {}).items():

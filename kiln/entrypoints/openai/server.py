@@ -85,7 +85,7 @@ def _load_in_background(state: ServerState, loop: asyncio.AbstractEventLoop) -> 
 def _start_engine(state: ServerState, loaded: LoadedEngine) -> None:
     engine = AsyncEngine(loaded)
     engine.start()
-    metrics = ServerMetrics(state.model_name, lambda: engine.stats)
+    metrics = ServerMetrics(state.model_name, lambda: engine.stats, lambda: engine.startup_report)
     metrics.record_startup(loaded.startup_report)
     state.metrics, state.engine = metrics, engine
     state.serving = OpenAIServing(engine, state.model_name, metrics)

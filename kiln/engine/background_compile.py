@@ -1,0 +1,253 @@
+"""Serving while compiling: start eager, swap in the compiled pieces when a
+background build finishes.
+
+With ``compile="background"`` a compile-cache miss does not make anyone wait:
+the engine starts at once on the eager model (the ``-O0`` path) and a
+``BackgroundCompile`` runs the build in another process, at a lower CPU
+priority, with the code ``kiln compile`` runs (``kiln.engine.loader.
+build_compiled``), into the same automatic cache and under the same entry lock,
+so that processes starting together on one empty cache build once. When the
+process exits, a thread of this one imports what loading needs (Dynamo and
+Inductor: seconds of imports that must not stall the engine), and at its next
+step the engine loads the entry the build wrote (checked against its manifest:
+a half-written entry is never loaded) and swaps the compiled pieces in
+(``Engine.step``); requests in flight go on on the compiled pieces, their KV
+cache untouched. The load itself runs on the engine's thread, between two
+steps, because rebuilding the split graph runs an FX trace, which patches
+``torch.nn.Module.__call__`` for the whole process while it runs. If the build fails or is
+killed, the engine keeps serving eagerly; the failure is logged once and stays
+in ``report()``.
+
+The build process runs ``python -m kiln.engine.background_compile SPEC``, where
+SPEC is the JSON of the model path and the ``Runtime.load`` options; it prints
+one JSON line with what it did.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kiln.compiler.cached import CompiledEntry
+    from kiln.engine.runner import ModelRunner
+
+__all__ = ["BackgroundCompile", "BuildSpec", "main"]
+
+logger = logging.getLogger(__name__)
+
+# How much nicer than the engine the build runs: the engine's steps come first.
+BUILD_NICENESS = 10
+_STDERR_TAIL = 4000
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    """What the build process is asked to compile: the model and the load
+    options (JSON values only), the entry it must produce, and where."""
+
+    model: str
+    options: dict[str, Any]
+    key: str  # the entry the parent expects; the build checks it computes the same
+    cache_dir: Path
+
+    def argv(self) -> list[str]:
+        spec = {"model": self.model, "options": self.options, "key": self.key, "cache_dir": str(self.cache_dir)}
+        return [sys.executable, "-m", "kiln.engine.background_compile", json.dumps(spec)]
+
+
+class BackgroundCompile:
+    """One background build, from its process's start to the swap.
+
+    ``state`` goes ``building`` -> ``loading`` (importing what loading needs)
+    -> ``ready`` (the next step swaps) -> ``swapped``, or ends as ``failed``.
+    ``load`` turns the finished build into the compiled entry (None when it is
+    unusable), on the engine's thread; ``after_swap`` runs there right after the
+    swap (CUDA graph capture). Seconds in ``report()`` count from ``t0``, the
+    start of loading."""
+
+    def __init__(self, spec: BuildSpec, load: Callable[[], "CompiledEntry | None"], *, t0: float,
+                 after_swap: Callable[["ModelRunner"], Any] | None = None) -> None:
+        self.spec = spec
+        self.state = "building"
+        self.error: str | None = None
+        self._load = load
+        self._after_swap = after_swap
+        self._t0 = t0
+        self._in_use: "CompiledEntry | None" = None  # swapped in
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[str] | None = None
+        self._result: dict[str, Any] = {}
+        self._started = time.perf_counter()
+        self._build_seconds: float | None = None
+        self._swapped_at: float | None = None
+        self._pause: float | None = None  # the swap's seconds between two steps
+        self._stopped = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "BackgroundCompile":
+        """Start the build process. It is started by the thread that then waits
+        for it: Linux ends the build when the thread that started it ends
+        (``PR_SET_PDEATHSIG``), and a loading thread ends early."""
+        started = threading.Event()
+        threading.Thread(target=self._watch, args=(started,), name="kiln-background-compile", daemon=True).start()
+        started.wait()
+        if self._proc is not None:
+            logger.warning("compiling in the background (process %d); serving eagerly until the compiled pieces "
+                           "are ready", self._proc.pid)
+        return self
+
+    def stop(self) -> None:
+        """Kill the build (the engine keeps what it runs now)."""
+        self._stopped = True
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def _watch(self, started: threading.Event) -> None:
+        env = {**os.environ, "KILN_BACKGROUND_BUILD_PARENT": str(os.getpid())}
+        try:
+            proc = self._proc = subprocess.Popen(self.spec.argv(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                 text=True, env=env, start_new_session=True)
+        except OSError as e:
+            self._fail(f"the background build could not start: {e}", "")
+            return
+        finally:
+            started.set()
+        out, err = proc.communicate()
+        self._build_seconds = round(time.perf_counter() - self._started, 3)
+        if proc.returncode != 0:
+            how = (f"was killed by signal {-proc.returncode}" if proc.returncode < 0
+                   else f"exited with status {proc.returncode}")
+            self._fail(f"the background build {how}", err)
+            return
+        try:
+            self._result = json.loads(out.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            self._fail("the background build reported nothing", err)
+            return
+        with self._lock:
+            self.state = "loading"
+        from kiln.compiler.artifacts import warm_up
+
+        warm_up()  # Dynamo and Inductor's imports, off the engine's thread
+
+        with self._lock:
+            self.state = "ready"
+
+    def _fail(self, message: str, stderr: str) -> None:
+        with self._lock:
+            self.state = "failed"
+            self.error = message
+        if self._stopped:
+            return
+        tail = stderr.strip()[-_STDERR_TAIL:]
+        logger.warning("%s; serving goes on with the eager model%s", message, f":\n{tail}" if tail else "")
+
+    # ------------------------------------------------------------------ the swap
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    @property
+    def pending(self) -> bool:
+        """Not yet swapped in, and not failed."""
+        return self.state in ("building", "loading", "ready")
+
+    def install(self, runner: "ModelRunner") -> None:
+        """Load the entry and swap its compiled pieces into ``runner`` (between
+        two steps, on the thread that steps the engine); on failure stay eager."""
+        t0 = time.perf_counter()
+        try:
+            entry = self._load()
+        except Exception as e:  # noqa: BLE001  (any failure leaves the engine eager)
+            logger.debug("loading the background build failed", exc_info=True)
+            self._fail(f"the background build's entry could not be loaded: {e}", "")
+            return
+        if entry is None:
+            self._fail("the background build's entry is missing or damaged", "")
+            return
+        runner.use_compiled(entry.model)
+        if self._after_swap is not None:
+            self._after_swap(runner)
+        with self._lock:
+            self._in_use = entry
+            self._swapped_at = round(time.perf_counter() - self._t0, 3)
+            self._pause = round(time.perf_counter() - t0, 3)
+            self.state = "swapped"
+        logger.warning("compiled pieces swapped in %.1fs after the start (build %.1fs, %.2fs between two steps)",
+                       self._swapped_at, self._build_seconds or 0.0, self._pause)
+
+    @property
+    def entry(self) -> "CompiledEntry | None":
+        """The compiled entry in use, once swapped in."""
+        return self._in_use
+
+    def report(self) -> dict[str, Any]:
+        """What the build did so far: state, process, seconds, the build's cache state."""
+        with self._lock:
+            return {
+                "state": self.state,
+                "pid": self.pid,
+                "started_at_seconds": round(self._started - self._t0, 3),
+                "build_seconds": self._build_seconds,
+                "swapped_at_seconds": self._swapped_at,
+                "swap_pause_seconds": self._pause,
+                "execution_before": "eager",
+                "execution_after": "compiled" if self.state == "swapped" else None,
+                "build_cache": self._result.get("compile_cache"),
+                "inductor_compiles": self._result.get("inductor_compiles"),
+                "error": self.error,
+            }
+
+
+# ---------------------------------------------------------------------- the build process
+def _die_with_parent() -> None:
+    """Ask Linux to end this process when the one that started it ends (a
+    build nobody will load only takes CPU); elsewhere, do nothing."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    parent = os.environ.get("KILN_BACKGROUND_BUILD_PARENT")
+    if parent and os.getppid() != int(parent):  # the parent ended before prctl
+        sys.exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build the entry SPEC names, at a lower priority, into the cache."""
+    args = sys.argv[1:] if argv is None else argv
+    spec = json.loads(args[0])
+    _die_with_parent()
+    os.nice(BUILD_NICENESS)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from kiln.engine.loader import build_compiled
+
+    record, report = build_compiled(spec["model"], Path(spec["cache_dir"]), **spec["options"])
+    if record.entry.name != spec["key"]:
+        print(f"kiln: the background build made entry {record.entry.name}, the engine expects {spec['key']}",
+              file=sys.stderr)
+        return 1
+    print(json.dumps({"key": record.entry.name, **{k: report[k] for k in ("compile_cache", "inductor_compiles")},
+                      "phases": report["phases"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
