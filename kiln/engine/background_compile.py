@@ -54,16 +54,27 @@ _STDERR_TAIL = 4000
 @dataclass(frozen=True)
 class BuildSpec:
     """What the build process is asked to compile: the model and the load
-    options (JSON values only), the entry it must produce, and where."""
+    options (JSON values only), the entry it must produce, and where; the
+    thread count its kernels are written for (the engine's after the swap:
+    Inductor writes it into CPU kernels) and how many compile workers it runs."""
 
     model: str
     options: dict[str, Any]
     key: str  # the entry the parent expects; the build checks it computes the same
     cache_dir: Path
+    threads: int
+    workers: int | None  # None: one per core
 
     def argv(self) -> list[str]:
-        spec = {"model": self.model, "options": self.options, "key": self.key, "cache_dir": str(self.cache_dir)}
+        spec = {"model": self.model, "options": self.options, "key": self.key, "cache_dir": str(self.cache_dir),
+                "threads": self.threads}
         return [sys.executable, "-m", "kiln.engine.background_compile", json.dumps(spec)]
+
+    def env(self) -> dict[str, str]:
+        env = {**os.environ, "KILN_BACKGROUND_BUILD_PARENT": str(os.getpid())}
+        if self.workers is not None:
+            env["KILN_COMPILE_WORKERS"] = str(self.workers)
+        return env
 
 
 class BackgroundCompile:
@@ -74,11 +85,18 @@ class BackgroundCompile:
     ``load`` turns the finished build into the compiled entry (None when it is
     unusable), on the engine's thread; ``after_swap`` runs there right after the
     swap (CUDA graph capture). Seconds in ``report()`` count from ``t0``, the
-    start of loading."""
+    start of loading.
+
+    While the build runs the engine steps with ``threads_while_building`` of
+    its threads (``engine_threads``), the build's workers having the other
+    cores: an OpenMP step whose threads share cores with the build stalls at
+    every barrier (3.6 tok/s instead of 17 eager on 2 cores,
+    bench/results/startup-cpu-latest.json)."""
 
     def __init__(self, spec: BuildSpec, load: Callable[[], "CompiledEntry | None"], *, t0: float,
-                 after_swap: Callable[["ModelRunner"], Any] | None = None) -> None:
+                 threads_while_building: int, after_swap: Callable[["ModelRunner"], Any] | None = None) -> None:
         self.spec = spec
+        self.threads_while_building = threads_while_building
         self.state = "building"
         self.error: str | None = None
         self._load = load
@@ -119,10 +137,9 @@ class BackgroundCompile:
         return self._proc.pid if self._proc is not None else None
 
     def _watch(self, started: threading.Event) -> None:
-        env = {**os.environ, "KILN_BACKGROUND_BUILD_PARENT": str(os.getpid())}
         try:
             proc = self._proc = subprocess.Popen(self.spec.argv(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                 text=True, env=env, start_new_session=True)
+                                                 text=True, env=self.spec.env(), start_new_session=True)
         except OSError as e:
             self._fail(f"the background build could not start: {e}", "")
             return
@@ -166,6 +183,11 @@ class BackgroundCompile:
     def pending(self) -> bool:
         """Not yet swapped in, and not failed."""
         return self.state in ("building", "loading", "ready")
+
+    def engine_threads(self) -> int:
+        """The torch threads the engine's steps use now: fewer while the build
+        runs, all of them (those the kernels were built for) after it."""
+        return self.threads_while_building if self.state == "building" else self.spec.threads
 
     def install(self, runner: "ModelRunner") -> None:
         """Load the entry and swap its compiled pieces into ``runner`` (between
@@ -236,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = json.loads(args[0])
     _die_with_parent()
     os.nice(BUILD_NICENESS)
+    import torch
+
+    torch.set_num_threads(spec["threads"])  # what the kernels are written for: the engine's after the swap
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from kiln.engine.loader import build_compiled
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import replace
 
+import torch
+
 from kiln.engine.background_compile import BackgroundCompile
 from kiln.engine.outputs import EngineOutputs, EngineStats
 from kiln.engine.request import Request, RequestId, SamplingParams
@@ -92,7 +94,11 @@ class Engine:
         return self.background is not None and self.background.pending
 
     def step(self) -> EngineOutputs:
-        self.swap_if_ready()
+        if self.background is not None:
+            threads = self.background.engine_threads()
+            if torch.get_num_threads() != threads:  # per thread: set on the thread that steps
+                torch.set_num_threads(threads)
+            self.swap_if_ready()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self.scheduler.has_unfinished():

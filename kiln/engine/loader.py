@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -293,14 +294,20 @@ def start_background_compile(b: "_Built", kwargs: dict[str, Any]) -> BackgroundC
         cache_root = private_copy(None, "kiln-cache-")
         logger.warning("kiln's cache %s is read-only: the background build goes to the temporary cache %s",
                        b.options.cache_dir, cache_root)
+    threads = torch.get_num_threads()
+    cpu = config.device.type == "cpu"
+    # on CPU the engine and the build split the cores while it runs (BackgroundCompile)
+    during = max(1, threads // 2) if cpu else threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     spec = BuildSpec(b.options.path, {**_jsonable_options(kwargs), "cache_dir": str(cache_root)},
-                     cache_key(config.cache_factors()), cache_root)
+                     cache_key(config.cache_factors()), cache_root, threads=threads,
+                     workers=max(1, cores - during) if cpu else None)
 
     def capture(runner: ModelRunner) -> None:
         capture_graphs(runner, config)
 
     return BackgroundCompile(spec, lambda: _load_cached(model, config, cache_root, "background"),
-                             t0=b.phases.t0, after_swap=capture).start()
+                             t0=b.phases.t0, threads_while_building=during, after_swap=capture).start()
 
 
 # ------------------------------------------------------------------ 6. KV cache
