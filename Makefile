@@ -37,6 +37,7 @@ bench: setup
 	$(PY) -m bench.decode
 	$(PY) -m bench.compile_scaling
 	$(PY) -m bench.startup
+	$(PY) -m bench.compile_sizes
 	$(PY) -m bench.cpu_kernels
 
 clean:

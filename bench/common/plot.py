@@ -18,10 +18,9 @@ def _ticks(top: float, count: int = 5) -> list[float]:
     raw = top / count
     magnitude = 10 ** len(str(int(raw))) / 10 if raw >= 1 else 1.0
     step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
-    ticks, v = [], 0.0
-    while v < top + step / 2:
-        ticks.append(v)
-        v += step
+    ticks = [0.0]
+    while ticks[-1] < top:
+        ticks.append(ticks[-1] + step)
     return ticks
 
 
