@@ -166,9 +166,11 @@ def _background(model: Path, level: int, root: Path, after: float) -> dict[str, 
     warm_steps = warm["steps"]
     warm_rate = _rates(warm_steps, warm_steps[len(warm_steps) // 10][0], warm_steps[-1][0])
     first = next(t for t, n, _ in steps if n)
+    seconds = range(int(steps[-1][0]) + 1)
     result = {"first_token_seconds": round(first, 3), "swap_seconds": swap, "report": bg["report"],
-              "timeline": [[round(t, 3), n, ex] for t, n, ex in steps], "warm_O2_tokens_per_s": round(warm_rate, 2),
-              "warm_O2_report": warm["report"]}
+              # tokens/s over each second since the process started (what the plot shows)
+              "tokens_per_second": [[t, round(_rates(steps, t, t + 1), 2)] for t in seconds],
+              "warm_O2_tokens_per_s": round(warm_rate, 2), "warm_O2_report": warm["report"]}
     if swap is not None:
         result["eager_tokens_per_s"] = round(_rates(steps, first, swap), 2)
         result["after_swap_tokens_per_s"] = round(_rates(steps, swap + 1.0, steps[-1][0]), 2)
@@ -271,9 +273,7 @@ def render(r: dict[str, Any]) -> str:
 def _plot(r: dict[str, Any], out: Path) -> Path:
     """tokens/s over 1-second windows of the background run, the swap marked."""
     bg = r["background"]
-    steps = bg["timeline"]
-    last = int(steps[-1][0]) + 1
-    points = [(t + 0.5, _rates(steps, t, t + 1)) for t in range(last)]
+    points = [(t + 0.5, rate) for t, rate in bg["tokens_per_second"]]
     marks = [(bg["swap_seconds"], "compiled pieces swapped in")] if bg.get("swap_seconds") is not None else []
     marks.append((bg["first_token_seconds"], "first token"))
     svg = line_plot_svg(points, marks, title=f"kiln -O{r['level']}, compile='background', empty cache: "
