@@ -1,4 +1,4 @@
-"""CPU micro-benchmarks behind two of kiln's design choices.
+"""CPU micro-benchmarks behind three of kiln's design choices.
 
 Run from the repository root::
 
@@ -25,6 +25,11 @@ Run from the repository root::
   copies of its weight filling 256 MiB, more than the last-level cache, as a
   decode step touches each layer's weights once: a weight served from cache
   would flatter both.
+* ``huge-pages``: the parameters of SmolLM2-135M (fp32, 540 MB) placed by
+  ``kiln.models.memory.materialize`` in 4 KiB pages and in transparent huge
+  pages, each in a fresh process: seconds to place and fill them (one copy, as
+  loading does), and the read bandwidth of summing every parameter, a decode
+  step's memory traffic.
 
 Timings are medians over batches of back-to-back calls on the host clock
 (``bench.common.harness.time_per_call``). Each benchmark writes its JSON to
@@ -50,7 +55,7 @@ from bench.common.harness import time_per_call
 from bench.common.models import SMOLLM2_135M_SHAPE
 from bench.common.report import RESULTS_DIR, RunRecord, fmt, format_table, publish
 
-BENCHMARKS = ("op-overhead", "gemv")
+BENCHMARKS = ("op-overhead", "gemv", "huge-pages")
 SMOLLM2 = SMOLLM2_135M_SHAPE  # the decode shapes measured are this model's
 HEAD_DIM = SMOLLM2["hidden_size"] // SMOLLM2["num_attention_heads"]
 # name -> [out_features, in_features] of SmolLM2-135M's linear layers
@@ -244,6 +249,64 @@ def render_gemv(report: dict[str, Any]) -> str:
     ])
 
 
+# ---------------------------------------------------------------------------- huge pages
+HUGE_PAGES_CHILD = r"""
+import json, sys, time, torch
+import kiln.models.memory as memory
+from kiln.models import config_from_dict
+from kiln.models.registry import ARCHITECTURES
+torch.set_num_threads(int(sys.argv[2]))
+if sys.argv[1] == "4k":
+    memory._advise_huge_pages = lambda block: None
+shape = json.loads(sys.argv[3])
+config = config_from_dict({**shape, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+with torch.device("meta"):
+    model = ARCHITECTURES[config.architecture].model_class(config, 64)
+t0 = time.perf_counter()
+model = memory.materialize(model, torch.device("cpu"), torch.float32)
+params = list(model.parameters())
+for p in params:
+    p.fill_(0.5)
+fill = time.perf_counter() - t0
+nbytes = sum(p.numel() * 4 for p in params)
+passes = []
+for _ in range(int(sys.argv[4])):
+    t0 = time.perf_counter()
+    for p in params:
+        p.sum()
+    passes.append(time.perf_counter() - t0)
+print(json.dumps({"place_and_fill_seconds": fill, "bytes": nbytes, "read_seconds": sorted(passes)[len(passes) // 2]}))
+"""
+
+
+def huge_pages_report(args: argparse.Namespace) -> dict[str, Any]:
+    import json
+    import subprocess
+
+    record = RunRecord("huge-pages", "cpu")
+    passes = 5 if args.smoke else 21
+    runs: dict[str, list[dict[str, Any]]] = {"4k": [], "huge": []}
+    for _ in range(1 if args.smoke else 3):
+        for mode in runs:  # turns, each a fresh process (fresh memory is what a load gets)
+            out = subprocess.run([sys.executable, "-c", HUGE_PAGES_CHILD, mode, str(args.threads),
+                                  json.dumps(SMOLLM2), str(passes)], capture_output=True, text=True, check=True)
+            runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    result = {}
+    for mode, rs in runs.items():
+        read = sorted(r["read_seconds"] for r in rs)[len(rs) // 2]
+        result[mode] = {"place_and_fill_seconds": round(sorted(r["place_and_fill_seconds"] for r in rs)[len(rs) // 2], 4),
+                        "read_gb_per_s": round(rs[0]["bytes"] / read / 1e9, 2), "bytes": rs[0]["bytes"],
+                        "runs": rs}
+    return {**record.head(torch_threads=args.threads), "results": result}
+
+
+def render_huge_pages(report: dict[str, Any]) -> str:
+    rows = [[mode, fmt(r["place_and_fill_seconds"], 3), fmt(r["read_gb_per_s"], 1)]
+            for mode, r in report["results"].items()]
+    return "SmolLM2-135M parameters (fp32) in 4 KiB and huge pages\n\n" + format_table(
+        ["pages", "place + fill, s", "read GB/s"], rows)
+
+
 # ---------------------------------------------------------------------------- main
 
 
@@ -280,6 +343,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print()
         report = gemv_report(args)
         publish(report, "gemv", render_gemv(report), args.out)
+    if "huge-pages" in args.only:
+        report = huge_pages_report(args)
+        publish(report, "huge-pages", render_huge_pages(report), args.out)
     return 0
 
 

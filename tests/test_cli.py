@@ -72,21 +72,29 @@ def test_a_bad_config_value_is_one_line_naming_file_and_field(llama_checkpoint, 
     assert "Traceback" not in proc.stderr and "tokenizer" not in proc.stderr
 
 
-def _read_until(fd: int, needle: bytes, timeout: float) -> bytes:
-    import select
+class _Terminal:
+    """What the child wrote to its terminal, read up to one marker at a time:
+    what arrived past the marker (the next prompt, say) stays for the next read."""
 
-    seen = b""
-    deadline = time.monotonic() + timeout
-    while needle not in seen:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            raise AssertionError(f"{needle!r} not seen within {timeout}s; got {seen[-500:]!r}")
-        try:
-            chunk = os.read(fd, 4096)
-        except OSError:  # the child closed the terminal
-            break
-        seen += chunk
-    return seen
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.pending = b""
+
+    def read_until(self, needle: bytes, timeout: float) -> bytes:
+        import select
+
+        deadline = time.monotonic() + timeout
+        while needle not in self.pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.fd], [], [], left)[0]:
+                raise AssertionError(f"{needle!r} not seen within {timeout}s; got {self.pending[-500:]!r}")
+            try:
+                chunk = os.read(self.fd, 4096)
+            except OSError:  # the child closed the terminal
+                break
+            self.pending += chunk
+        head, _, self.pending = self.pending.partition(needle)
+        return head + needle
 
 
 def _controlling_terminal() -> None:
@@ -110,13 +118,14 @@ def test_chat_on_a_terminal_ctrl_c_stops_the_answer_not_the_repl(demo_tokenizer_
         stdin=child, stdout=child, stderr=child, env=env, preexec_fn=_controlling_terminal,
     )
     os.close(child)
+    terminal = _Terminal(main)
     try:
-        _read_until(main, b"> ", 300)
+        terminal.read_until(b"> ", 300)
         os.write(main, b"hello there\n")
         time.sleep(1)  # the answer (up to the 1024-token context, several seconds) streams meanwhile
         os.write(main, b"\x03")  # Ctrl-C, delivered by the terminal as SIGINT
-        _read_until(main, b"[stopped]", 60)
-        _read_until(main, b"> ", 60)  # the REPL is still there
+        terminal.read_until(b"[stopped]", 60)
+        terminal.read_until(b"> ", 60)  # the REPL is still there
         os.write(main, b"/exit\n")
         assert proc.wait(timeout=60) == 0
     finally:

@@ -117,8 +117,10 @@ def load_compiled(
 def warm_up() -> None:
     """The one-time work of loading a first artifact, done ahead: importing
     Inductor's compile path and hashing torch's sources (Inductor's own cache
-    key). A background compile does it off the engine's thread, which then loads
-    18 artifacts of the 135M model in about 0.5 s instead of 2.5 s."""
+    key). It is most of a warm start (``import_compiler``, 3.5-3.8 s against
+    0.8-1.2 s of ``load_artifacts`` for the 135M shape,
+    bench/results/startup-cpu-20261201-091546.json); a background compile does
+    it off the engine's thread."""
     import torch._inductor.compile_fx  # noqa: F401
     from torch._inductor.codecache import torch_key
 
@@ -130,11 +132,12 @@ def inductor_settings() -> Iterator[None]:
     """Inductor settings that must be the same when an entry is built and loaded.
 
     Precompiled C++ headers are on (the setting is part of every kernel's cache
-    key): a cold compile builds Inductor's C++ prelude once (about 8 s here) and
-    each kernel then compiles in 1-2 s instead of 3-5 s
-    (bench/results/compile-scaling-cpu-latest.json). The header lives outside any
-    cache directory (under $TMPDIR), and a warm start, whose kernels are all
-    built, skips it (``toolchain.recorded_compiler``)."""
+    key): a cold compile builds Inductor's C++ prelude once (about 8 s of g++
+    here) and each kernel's C++ build then takes a half to a third as long; with
+    the parallel jobs a cold compile of the 135M shape takes 33.6 s instead of
+    96.6 s (bench/results/startup-cpu-20261201-091546.json). The header lives
+    outside any cache directory (under $TMPDIR), and a warm start, whose kernels
+    are all built, skips it (``toolchain.recorded_compiler``)."""
     from torch._inductor import config
 
     patch = {"cpp_cache_precompile_headers": True} if hasattr(config, "cpp_cache_precompile_headers") else {}

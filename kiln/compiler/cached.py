@@ -164,7 +164,7 @@ def _build_entry(
             # Asked before kernels are recorded: the ISA probe's test builds are not kernels.
             toolchain = {"vec_isa": vec_isa_record() if cpu else None, "cxx": compiler_identity() if cpu else None}
             with kernel_files(inductor_dir) as kernels:
-                compiled, stats, pristine = compile_traced(
+                compiled, stats = compile_traced(
                     traced, model, config, max_num_tokens=max_num_tokens, device=device, eager_impls=eager_impls
                 )
         finally:
@@ -172,7 +172,7 @@ def _build_entry(
     saved_stats = {"pieces": stats.pieces, "unique_pieces": stats.unique_pieces,
                    "inductor_compiles": stats.inductor_compiles, "phases": stats.phases,
                    "compile_seconds": stats.compile_seconds, "compile_workers": stats.compile_workers}
-    save_compiled(entry, compiled, pristine, {
+    save_compiled(entry, compiled, traced.pristine, {
         **header, "key": key, "factors": factors, "created": time.time(), "stats": saved_stats,
         "toolchain": toolchain, "kernels": checksum_kernels(inductor_dir, kernels),
     })

@@ -17,9 +17,11 @@ not available, or one worker is all there is, the jobs run one after another.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
+import signal
 import struct
 import sys
 import time
@@ -32,7 +34,7 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["CompileJob", "compile_workers", "run_jobs"]
+__all__ = ["CompileJob", "compile_workers", "end_with_parent", "run_jobs"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,21 @@ class CompileJob:
     graph: fx.GraphModule
     inputs: list[Any]
     dynamic: bool  # the symbolic range rather than the exact sizes of ``inputs``
+
+
+def end_with_parent(parent: int) -> None:
+    """Ask Linux to end this process (SIGTERM) when the thread that started it
+    ends, so that no orphan goes on compiling for nobody; ``parent`` is the pid
+    that started it, to catch a parent that ended before the request. Elsewhere
+    than Linux, nothing happens."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def compile_workers(jobs: int) -> int:
@@ -135,11 +152,13 @@ def _next(read_end: int) -> int | None:
 
 
 def _fork_worker(jobs: list[CompileJob], compile_: Compile, read_end: int, scratch: Path) -> int:
+    parent = os.getpid()
     pid = os.fork()
     if pid:
         return pid
     status = 1
     try:  # the worker: compile and save until the queue is empty, then leave without cleanup
+        end_with_parent(parent)
         # (its thread count stays the parent's: Inductor writes it into the C++ kernels)
         while (i := _next(read_end)) is not None:
             t0 = time.perf_counter()

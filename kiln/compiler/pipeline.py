@@ -1,6 +1,6 @@
-"""``compile_model``: trace once, split at attention, compile every unique compute
-piece per bucket, and stitch the result into a callable the runner uses in place
-of ``model.forward``."""
+"""Trace once and split at attention (``trace_model``), compile every unique
+compute piece per bucket (``compile_traced``), and stitch the result into a
+callable the runner uses in place of ``model.forward``."""
 
 from __future__ import annotations
 
@@ -26,8 +26,7 @@ from kiln.config import CompilationConfig
 from kiln.forward_context import ForwardContext, set_forward_context
 from kiln.progress import Progress
 
-__all__ = ["ArgumentBinder", "CompileStats", "CompiledModel", "TracedModel", "compile_model", "compile_traced",
-           "trace_model"]
+__all__ = ["ArgumentBinder", "CompileStats", "CompiledModel", "TracedModel", "compile_traced", "trace_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -228,14 +227,13 @@ def compile_traced(
     device: torch.device,
     progress: bool | None = None,
     eager_impls: dict[str, Any] | None = None,
-) -> tuple[CompiledModel, CompileStats, bytes]:
+) -> tuple[CompiledModel, CompileStats]:
     """Compile every unique compute piece of ``traced`` for token counts
     ``[1, max_num_tokens]``, with exact runnables for ``config.compile_sizes``
     (``config`` must be resolved), and the CPU LM heads.
 
     ``eager_impls`` ("ns::op" -> Python function) are called directly in the
-    attention pieces. Returns the callable, its statistics, and the pickled split
-    graph for ``save_compiled``."""
+    attention pieces. Returns the callable and its statistics."""
     stats = CompileStats(dynamo_traces=1, phases=dict(traced.phases))
     t0 = time.perf_counter()
     split, captured = traced.split, traced.captured
@@ -262,18 +260,5 @@ def compile_traced(
     pieces = {sig: runnables for sig, (_, runnables) in unique.items()}
     signatures = {p.name: p.signature for p in split.compute_pieces}
     compiled = CompiledModel(split.module, captured.inputs, model, pieces, signatures, logits_heads)
-    return compiled, stats, traced.pristine
+    return compiled, stats
 
-
-def compile_model(
-    model: nn.Module,
-    config: CompilationConfig,
-    *,
-    max_num_tokens: int,
-    device: torch.device,
-    progress: bool | None = None,
-    eager_impls: dict[str, Any] | None = None,
-) -> tuple[CompiledModel, CompileStats, bytes]:
-    """``trace_model`` then ``compile_traced``: piecewise-compile ``model``."""
-    return compile_traced(trace_model(model, config, device), model, config, max_num_tokens=max_num_tokens,
-                          device=device, progress=progress, eager_impls=eager_impls)

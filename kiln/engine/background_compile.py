@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -38,11 +37,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from kiln.compiler.parallel import end_with_parent
+
 if TYPE_CHECKING:
     from kiln.compiler.cached import CompiledEntry
     from kiln.engine.runner import ModelRunner
 
-__all__ = ["BackgroundCompile", "BuildSpec", "main"]
+__all__ = ["BackgroundCompile", "BuildSpec", "main", "share_cores"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +80,18 @@ class BuildSpec:
         return env
 
 
+def share_cores(device_type: str) -> tuple[int, int, int | None]:
+    """(the engine's torch threads, those it keeps while the build runs, the
+    build's compile workers). On CPU they split the cores; on a GPU the engine
+    keeps its threads and the build takes one worker per core."""
+    threads = torch.get_num_threads()
+    if device_type != "cpu":
+        return threads, threads, None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    during = max(1, threads // 2)
+    return threads, during, max(1, cores - during)
+
+
 class BackgroundCompile:
     """One background build, from its process's start to the swap.
 
@@ -90,8 +105,9 @@ class BackgroundCompile:
     While the build runs the engine steps with ``threads_while_building`` of
     its threads (``engine_threads``), the build's workers having the other
     cores: an OpenMP step whose threads share cores with the build stalls at
-    every barrier (3.6 tok/s instead of 17 eager on 2 cores,
-    bench/results/startup-cpu-latest.json)."""
+    every barrier (eager decode at 3.6 tok/s on 2 cores,
+    bench/results/startup-cpu-20261201-082947.json; 11.6 tok/s on one core with
+    the cores split, startup-cpu-20261201-091546.json)."""
 
     def __init__(self, spec: BuildSpec, load: Callable[[], "CompiledEntry | None"], *, t0: float,
                  threads_while_building: int, after_swap: Callable[["ModelRunner"], Any] | None = None) -> None:
@@ -237,29 +253,14 @@ class BackgroundCompile:
 
 
 # ---------------------------------------------------------------------- the build process
-def _die_with_parent() -> None:
-    """Ask Linux to end this process when the one that started it ends (a
-    build nobody will load only takes CPU); elsewhere, do nothing."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    parent = os.environ.get("KILN_BACKGROUND_BUILD_PARENT")
-    if parent and os.getppid() != int(parent):  # the parent ended before prctl
-        sys.exit(1)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Build the entry SPEC names, at a lower priority, into the cache."""
     args = sys.argv[1:] if argv is None else argv
     spec = json.loads(args[0])
-    _die_with_parent()
+    parent = os.environ.get("KILN_BACKGROUND_BUILD_PARENT")
+    if parent:
+        end_with_parent(int(parent))  # a build nobody will load only takes CPU
     os.nice(BUILD_NICENESS)
-    import torch
-
     torch.set_num_threads(spec["threads"])  # what the kernels are written for: the engine's after the swap
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from kiln.engine.loader import build_compiled

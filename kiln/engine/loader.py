@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,7 +29,7 @@ from kiln.cache.store import private_copy, read_manifest, writable
 from kiln.checkpoint import Checkpoint, open_checkpoint
 from kiln.checkpoint.names import resolve_model_name
 from kiln.config import DEFAULT_LEVEL, CompilationConfig, CUDAGraphMode, EngineConfig, default_cache_dir
-from kiln.engine.background_compile import BackgroundCompile, BuildSpec
+from kiln.engine.background_compile import BackgroundCompile, BuildSpec, share_cores
 from kiln.engine.kv_cache_manager import KVCacheManager
 from kiln.engine.config import (
     ResolvedConfig,
@@ -256,8 +255,9 @@ def _load_cached(model: CausalLM, config: ResolvedConfig, cache_root: Path, sour
     """The automatic cache's entry for ``config``, loaded without a lock; None
     when it is missing, incomplete or damaged. A missing one costs no import of
     Dynamo or Inductor."""
-    key = cache_key(config.cache_factors())
-    if read_manifest(cache_root / "compiled" / key) is None:
+    factors = config.cache_factors()
+    entry = cache_root / "compiled" / cache_key(factors)
+    if read_manifest(entry) is None:
         return None
     from kiln.attention.op import EAGER_IMPLEMENTATIONS
     from kiln.compiler.cached import load_entry
@@ -265,9 +265,8 @@ def _load_cached(model: CausalLM, config: ResolvedConfig, cache_root: Path, sour
     inductor = cache_root / "inductor"
     if not writable(inductor):
         inductor = private_copy(inductor, "kiln-inductor-")
-    return load_entry(cache_root / "compiled" / key, model, config.max_num_batched_tokens,
-                      factors=config.cache_factors(), source=source, inductor_dir=inductor, lock_free=True,
-                      eager_impls=EAGER_IMPLEMENTATIONS)
+    return load_entry(entry, model, config.max_num_batched_tokens, factors=factors, source=source,
+                      inductor_dir=inductor, lock_free=True, eager_impls=EAGER_IMPLEMENTATIONS)
 
 
 def _jsonable_options(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -294,14 +293,9 @@ def start_background_compile(b: "_Built", kwargs: dict[str, Any]) -> BackgroundC
         cache_root = private_copy(None, "kiln-cache-")
         logger.warning("kiln's cache %s is read-only: the background build goes to the temporary cache %s",
                        b.options.cache_dir, cache_root)
-    threads = torch.get_num_threads()
-    cpu = config.device.type == "cpu"
-    # on CPU the engine and the build split the cores while it runs (BackgroundCompile)
-    during = max(1, threads // 2) if cpu else threads
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads, during, workers = share_cores(config.device.type)
     spec = BuildSpec(b.options.path, {**_jsonable_options(kwargs), "cache_dir": str(cache_root)},
-                     cache_key(config.cache_factors()), cache_root, threads=threads,
-                     workers=max(1, cores - during) if cpu else None)
+                     cache_key(config.cache_factors()), cache_root, threads=threads, workers=workers)
 
     def capture(runner: ModelRunner) -> None:
         capture_graphs(runner, config)
