@@ -63,6 +63,7 @@ from typing import Any
 import torch
 
 from bench.adapters import BASELINES, THROUGHPUT_BASELINES, KilnEngine, KilnThroughputEngine
+from bench.common.bandwidth import decode_traffic, machine_read_bandwidth, roofline
 from bench.common.harness import NOISY_SPREAD, BenchSettings, Engine, EngineSpec, median, run_engines
 from bench.common.models import (
     DEFAULT_SHAPE,
@@ -316,12 +317,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     record = RunRecord("decode", args.device)
     model_path, model, settings, deadline = _prepare(args)
     prompt = make_prompt(model["vocab_size"], args.prompt_len, args.seed)
+    machine_before = machine_read_bandwidth() if args.device == "cpu" else None
     kiln_results, baselines = measure_all(
         args.levels, args.baselines, lambda level: KilnEngine(model_path, prompt, level, settings),
         lambda name: BASELINES[name](model_path, prompt, settings), args.repeats, deadline)
     ref = _reference(baselines, model)
     if ref is not None:
         _compare_batch1(kiln_results, ref)
+    bandwidth = None
+    if machine_before is not None:
+        bandwidth = _bandwidth(model_path, model, args, [*kiln_results, *baselines.values()],
+                               machine_before, machine_read_bandwidth())
     level0 = next((k for k in kiln_results if k["level"] == 0 and "error" not in k), {})
     return {
         **record.head(),
@@ -342,9 +348,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "kiln_outside_model_ms_per_step": level0.get("outside_model_ms"),
         "tokens_match": level0.get("tokens_match"),
         "decode_tokens_per_s_by_engine": _rates_by_engine(kiln_results, baselines, "decode_tokens_per_s"),
+        "bandwidth": bandwidth,
         "kiln": kiln_results,
         "baselines": baselines,
     }
+
+
+def _bandwidth(model_path: Path, model: dict[str, Any], args: argparse.Namespace, results: list[dict[str, Any]],
+               before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The bytes a decode step reads, the machine's read bandwidth before and
+    after the engines ran (the higher median is the roofline), and each
+    result's share of it (added to the result as ``bandwidth``)."""
+    traffic = decode_traffic(model_path, model, args.dtype, args.prompt_len + args.max_tokens / 2)
+    machine = max(before, after, key=lambda m: m["gb_per_s"])
+    for r in results:
+        if "error" not in r:
+            r["bandwidth"] = roofline(r.get("decode_tokens_per_s"), traffic, machine)
+    return {"traffic": traffic, "machine": machine, "machine_before": before, "machine_after": after}
 
 
 # --------------------------------------------------------------------- throughput
@@ -368,8 +388,9 @@ def _compare_throughput(results: list[dict[str, Any]], ref: dict[str, Any]) -> N
 THROUGHPUT_NOTES = [
     "output tok/s = requests * max_tokens / wall time of the whole batch, prefill included; "
     "total tok/s counts the prompt tokens too.",
-    "kiln: every request submitted at once to Runtime.generate, max_num_seqs = requests, "
-    "continuous batching with chunked prefill under max_num_batched_tokens.",
+    "kiln: every request submitted at once, max_num_seqs = requests, "
+    "continuous batching with chunked prefill under max_num_batched_tokens; prefix caching off "
+    "(every run repeats the warm-up's prompts, which a prefix cache would serve).",
     "transformers: one batched generate, prompts left-padded (all prompts here have the same "
     "length, so no pad token is used).",
     "requests_matching_reference: requests whose greedy tokens equal transformers eager's; "

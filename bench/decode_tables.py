@@ -118,18 +118,35 @@ def render_report(report: dict[str, Any]) -> str:
         parts += ["", "kiln per decode step, ms (outside model = step wall - model = prepare + sample + other)",
                   format_table(["kiln", "step wall", "model", "outside model", "prepare", "sample", "other"],
                                overhead_rows)]
-    return "\n".join(parts + _trailer(report))
+    return "\n".join(parts + _bandwidth_section(report) + _trailer(report))
+
+
+def _bandwidth_section(report: dict[str, Any]) -> list[str]:
+    """Bytes per token, achieved GB/s and the share of the machine's bandwidth."""
+    bw = report.get("bandwidth")
+    if not bw:
+        return []
+    t, m = bw["traffic"], bw["machine"]
+    rows = [[r["engine"], r["label"], fmt(r["bandwidth"]["achieved_gb_per_s"], 1),
+             fmt(100 * r["bandwidth"]["fraction_of_machine"], 0, "%"), fmt(r["bandwidth"]["roofline_tokens_per_s"], 1)]
+            for r in _results(report) if r.get("bandwidth")]
+    return ["", f"memory bandwidth: a decode step reads {t['bytes_per_token'] / 1e6:.1f} MB "
+                f"(weights {t['weight_bytes'] / 1e6:.1f} MB + KV {t['kv_bytes'] / 1e6:.1f} MB at "
+                f"{t['mean_context']:.0f} tokens of context); the machine reads {m['gb_per_s']:.1f} GB/s "
+                f"({m['method']}, {m['bytes'] >> 20} MiB, {m['threads']} threads, median of {m['repeats']})",
+            format_table(["engine", "config", "achieved GB/s", "of machine", "roofline tok/s"], rows)]
 
 
 def _throughput_rows(report: dict[str, Any]) -> list[list[str]]:
     rows = []
     for r in _results(report):
         if "error" in r:
-            rows.append([r["engine"], r["label"], "n/a", "n/a", "n/a", "n/a", "unavailable", "n/a"])
+            rows.append([r["engine"], r["label"], "n/a", "n/a", "n/a", "n/a", "n/a", "n/a", "unavailable", "n/a"])
             continue
         matching = r.get("requests_matching_reference")
         rows.append([
             r["engine"], r["label"], fmt(r["output_tokens_per_s"], 1), fmt(r["wall_seconds"], 2, "s"),
+            fmt(r.get("prefill_seconds"), 2, "s"), fmt(r.get("decode_seconds"), 2, "s"),
             fmt(100 * r["spread"], 0, "%"), fmt(r.get(f"speedup_vs_{REFERENCE_BASELINE}"), suffix="x"),
             "(reference)" if r["engine"] == REFERENCE_BASELINE else
             ("-" if matching is None else f"{matching}/{report['settings']['num_requests']}"),
@@ -147,9 +164,11 @@ def render_throughput_report(report: dict[str, Any]) -> str:
         f"tokens each, greedy; whole batch timed (prefill included); median of {s['repeats']} runs after a "
         f"warm-up, engines taking turns"
     )
-    table = format_table(["engine", "config", "output tok/s", "batch wall", "spread", f"vs {REFERENCE_BASELINE}",
-                          "requests match", "cold start"], _throughput_rows(report))
-    legend = ("output tok/s: requests x new tokens / wall time of the whole batch; requests match: requests "
+    table = format_table(["engine", "config", "output tok/s", "batch wall", "prefill", "decode", "spread",
+                          f"vs {REFERENCE_BASELINE}", "requests match", "cold start"], _throughput_rows(report))
+    legend = ("output tok/s: requests x new tokens / wall time of the whole batch; prefill / decode: kiln's "
+              "steps that ran prompt tokens / the others, transformers' one-token generate of the batch / "
+              "the rest; requests match: requests "
               f"whose greedy tokens equal {REFERENCE_BASELINE}'s (informational: batched low-precision "
               "arithmetic diverges at near-ties); cold start: load (+ compile) as in the batch-1 table")
     parts = [head, "", table, legend]

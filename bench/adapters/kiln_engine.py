@@ -72,16 +72,19 @@ def _cuda_memory() -> tuple[int, int]:
 
 def load_kiln(model_path: Path, level: int, settings: BenchSettings, *, max_model_len: int,
               max_num_seqs: int) -> LoadedKiln:
-    """``Runtime.load`` at ``level``, timed, into a fresh compile cache (a cold
+    """``Runtime.load`` at ``level``, prefix caching off, timed, into a fresh compile cache (a cold
     start) unless ``settings.kiln_cache_dir`` names a shared one; on CUDA with the
     device memory the load took. Raises what kiln raises (``ValueError`` for a
     level it refuses)."""
     from kiln import Runtime
 
     cache_dir, own_cache = _compile_cache(settings)
+    # Prefix caching off: every repeat runs the warm-up's prompts again, which a
+    # prefix cache would serve from the warm-up's blocks (the prefill measured
+    # would be a cache hit that the baselines cannot have).
     options: dict[str, Any] = {"cache_dir": cache_dir, "optimization_level": level, "device": settings.device,
                                "dtype": settings.dtype, "max_model_len": max_model_len,
-                               "max_num_seqs": max_num_seqs}
+                               "max_num_seqs": max_num_seqs, "enable_prefix_caching": False}
     if settings.attention_backend is not None:
         options["attention_backend"] = settings.attention_backend
     if settings.max_num_batched_tokens is not None:
@@ -228,21 +231,39 @@ class KilnThroughputEngine(_KilnAdapter):
         self.params = [self._params(n) for n in lens] if lens else self._params()
 
     def run_once(self) -> dict[str, Any]:
+        """The whole batch, stepped here so that each step's wall time is
+        filed under prefill (it ran prompt tokens) or decode (one token per
+        running request: as many tokens scheduled as generated)."""
         rt = self.rt
-        stats0 = dataclasses.asdict(rt.stats())
+        params = self.params if isinstance(self.params, list) else [self.params] * len(self.prompts)
+        stats0 = rt.stats()
         t0 = time.perf_counter()
-        outs = rt.generate(self.prompts, self.params)
+        rids = [rt.add_request(p, sp) for p, sp in zip(self.prompts, params)]
+        split = {"prefill": 0.0, "decode": 0.0}
+        before, pending = stats0, set(rids)
+        while pending:
+            t = time.perf_counter()
+            for delta in rt.step():
+                if delta.finished:
+                    pending.discard(delta.request_id)
+            after = rt.stats()
+            decode = after.scheduled_tokens - before.scheduled_tokens == after.generated_tokens - before.generated_tokens
+            split["decode" if decode else "prefill"] += time.perf_counter() - t
+            before = after
+        outs = [rt.release(r) for r in rids]
         wall = time.perf_counter() - t0
-        stats1 = dataclasses.asdict(rt.stats())
-        steps = int(stats1["steps"] - stats0["steps"])
+        steps = before.steps - stats0.steps
         result = throughput_figures(wall, [o.token_ids for o in outs], sum(map(len, self.prompts)))
         result.update({
             "steps": steps,
             "step_wall_ms": wall * 1e3 / max(steps, 1),
-            "model_ms": (stats1["model_seconds"] - stats0["model_seconds"]) * 1e3 / max(steps, 1),
+            "model_ms": (before.model_seconds - stats0.model_seconds) * 1e3 / max(steps, 1),
+            "prefill_seconds": split["prefill"],
+            "decode_seconds": split["decode"],
         })
         return result
 
     def summary(self, runs: list[dict[str, Any]]) -> dict[str, Any]:
         return {**self._head(), **throughput_summary(runs, ("output_tokens_per_s", "total_tokens_per_s",
-                                                            "wall_seconds", "steps", "step_wall_ms", "model_ms"))}
+                                                            "wall_seconds", "steps", "step_wall_ms", "model_ms",
+                                                            "prefill_seconds", "decode_seconds"))}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -43,6 +44,7 @@ from kiln.engine.runner import CaptureReport, ModelRunner
 from kiln.engine.scheduler import Scheduler
 from kiln.graphs import CUDAGraphDispatcher, TorchCUDAGraphs
 from kiln.models import CausalLM, build_model, parse_dtype, parse_model_config
+from kiln.models.memory import zeroed_host_memory
 
 if TYPE_CHECKING:
     from kiln.compiler.cached import CompiledEntry
@@ -332,11 +334,19 @@ def size_kv_cache(config: ResolvedConfig, model: CausalLM, compiled: Any) -> int
 
 
 def allocate_kv_cache(config: ResolvedConfig, num_blocks: int) -> list[torch.Tensor]:
+    """One cache tensor per layer, zeroed: the torch backend's batched decode
+    reads slots no request wrote (padding up to the longest context, masked out),
+    and masked garbage still poisons a softmax when it holds NaN or Inf. On CPU
+    the zeros are lazy (an anonymous mapping: pages fault in zero-filled when
+    first written, so a large cache costs nothing at startup); on a GPU they are
+    a device-side fill."""
     mc = config.model
     shape = (2, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
-    # Uninitialised on purpose: attention reads only slots written this request,
-    # and touching gigabytes of zeros would cost seconds of startup.
-    return [torch.empty(shape, dtype=config.dtype, device=config.device) for _ in range(mc.num_layers)]
+    if config.device.type != "cpu":
+        return [torch.zeros(shape, dtype=config.dtype, device=config.device) for _ in range(mc.num_layers)]
+    per_layer = math.prod(shape) * torch.empty((), dtype=config.dtype).element_size()
+    memory = zeroed_host_memory(per_layer * mc.num_layers)
+    return [memory[i * per_layer: (i + 1) * per_layer].view(config.dtype).view(shape) for i in range(mc.num_layers)]
 
 
 # ------------------------------------------------------------------ 7. engine

@@ -1,5 +1,6 @@
-"""Where a model's parameters live: on CPU, in one block advised as transparent
-huge pages.
+"""Host memory for the model: its parameters in one block advised as
+transparent huge pages, and zeroed memory that costs nothing until touched (the
+KV cache).
 
 A CPU decode step streams every weight from memory, 540 MB a token for
 SmolLM2-135M in fp32. In 4 KiB pages that is some 135,000 TLB entries a step; in
@@ -16,11 +17,12 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import mmap
 
 import torch
 from torch import nn
 
-__all__ = ["materialize"]
+__all__ = ["materialize", "zeroed_host_memory"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,16 @@ def _advise_huge_pages(block: torch.Tensor) -> None:
     for advice, name in ((_MADV_HUGEPAGE, "MADV_HUGEPAGE"), (_MADV_POPULATE_WRITE, "MADV_POPULATE_WRITE")):
         if libc.madvise(ctypes.c_void_p(block.data_ptr()), ctypes.c_size_t(block.numel()), advice) != 0:
             logger.debug("madvise(%s) failed: errno %d", name, ctypes.get_errno())
+
+
+def zeroed_host_memory(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of zeroed CPU memory that costs nothing until touched: an
+    anonymous mapping, whose pages the kernel hands out zero-filled on first
+    write. ``torch.zeros`` would write every byte up front (seconds for
+    gigabytes); ``torch.empty`` may return a reused heap block holding garbage,
+    NaN bit patterns included."""
+    region = mmap.mmap(-1, max(nbytes, 1))
+    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes)  # the tensor keeps the mapping alive
 
 
 def _huge_page_block(nbytes: int) -> torch.Tensor:

@@ -1,0 +1,75 @@
+"""The memory-bandwidth view of a decode step: what it must read, what the
+machine can read, and how close a measured rate comes.
+
+A batch-1 decode step reads every weight once (the input embedding only as one
+row, unless it is tied to the LM head, which reads all of it) and each layer's
+keys and values of the whole context. On a CPU those bytes over the step time is
+the achieved bandwidth; the machine's own figure is a plain ``sum`` over a
+buffer far larger than the last-level cache, measured in the same run with the
+same threads, so the ratio compares like with like.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["decode_traffic", "machine_read_bandwidth", "roofline"]
+
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_INPUT_EMBEDDING = "model.embed_tokens.weight"
+
+
+def machine_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 7) -> dict[str, Any]:
+    """GB/s of ``torch.sum`` over an fp32 buffer of ``nbytes`` with the current
+    torch thread count: the median and the best of ``repeats`` passes."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    buf.sum()  # fault the pages in and warm the threads
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return {"method": "torch.sum over an fp32 buffer", "bytes": nbytes, "threads": torch.get_num_threads(),
+            "repeats": repeats, "gb_per_s": round(nbytes / times[len(times) // 2] / 1e9, 2),
+            "best_gb_per_s": round(nbytes / times[0] / 1e9, 2)}
+
+
+def decode_traffic(model_path: Path, model: dict[str, Any], dtype: str, mean_context: float) -> dict[str, Any]:
+    """Bytes one batch-1 decode step reads in ``dtype``: weights (from the
+    checkpoint's tensor list) and the KV cache at ``mean_context`` tokens.
+
+    Weights are counted at the run dtype, as kiln holds them (a quantized GGUF is
+    dequantized at load)."""
+    from kiln.checkpoint import open_checkpoint
+
+    size = _ELEMENT_BYTES[dtype]
+    with open_checkpoint(Path(model_path)).reader() as reader:
+        tensors = reader.tensors()
+    elements = 0
+    for t in tensors:
+        n = 1
+        for d in t.shape:
+            n *= d
+        if t.name == _INPUT_EMBEDDING and not model["tie_word_embeddings"]:
+            n = t.shape[-1]  # one row per token
+        elements += n
+    kv = 2 * model["num_layers"] * model["num_kv_heads"] * model["head_dim"] * size * mean_context
+    weights = elements * size
+    return {"dtype": dtype, "weight_bytes": weights, "kv_bytes": round(kv), "mean_context": mean_context,
+            "bytes_per_token": round(weights + kv)}
+
+
+def roofline(tokens_per_s: float | None, traffic: dict[str, Any], machine: dict[str, Any]) -> dict[str, Any] | None:
+    """Achieved GB/s of a decode rate, the machine's figure, their ratio, and
+    the rate the machine's bandwidth allows."""
+    if tokens_per_s is None:
+        return None
+    achieved = traffic["bytes_per_token"] * tokens_per_s / 1e9
+    return {"achieved_gb_per_s": round(achieved, 2), "machine_gb_per_s": machine["gb_per_s"],
+            "fraction_of_machine": round(achieved / machine["gb_per_s"], 3),
+            "roofline_tokens_per_s": round(machine["gb_per_s"] * 1e9 / traffic["bytes_per_token"], 1)}
