@@ -128,9 +128,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kiln-aoti-") as tmp:
         # A private Inductor cache, so the build is cold and nothing of it is left behind.
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")}
-        os.environ.update(TORCHINDUCTOR_CACHE_DIR=env["TORCHINDUCTOR_CACHE_DIR"])
         package = Path(tmp) / "block.pt2"
-        build_seconds = build_package(package)
+        saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = env["TORCHINDUCTOR_CACHE_DIR"]
+        try:
+            build_seconds = build_package(package)
+        finally:
+            if saved is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR")
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
         aoti = [_child(AOTI_CHILD, str(package), str(args.threads), env=env) for _ in range(args.repeats)]
         inductor = [_child(INDUCTOR_CHILD, env=env) for _ in range(args.repeats)]
         package_bytes = package.stat().st_size

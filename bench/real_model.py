@@ -264,6 +264,18 @@ def _tokens_cell(r: dict[str, Any], mode: str, exact: bool) -> str:
     return f"{100 * r['token_agreement']:.0f}%"
 
 
+def _split_table(by_dtype: dict[str, dict[str, Any]], dtypes: list[str]) -> str:
+    rows = []
+    for key in by_dtype[dtypes[0]]:
+        row = [key]
+        for d in dtypes:
+            r = by_dtype[d].get(key, {})
+            row += [fmt(r.get("prefill_seconds"), 2, "s"), fmt(r.get("decode_seconds"), 2, "s")]
+        rows.append(row)
+    return markdown_table(["engine", *(f"{SHORT[d]} {part}" for d in dtypes for part in ("prefill", "decode"))],
+                          rows)
+
+
 def render(report: dict[str, Any]) -> str:
     """The Markdown summary: one table per mode, then the load times."""
     m, s, mach = report["model"], report["settings"], report["machine"]
@@ -306,6 +318,10 @@ def render(report: dict[str, Any]) -> str:
             row += [_tokens_cell(by_dtype[d][key], mode, d == EXACT_DTYPE) for d in dtypes]
             rows.append(row)
         parts += ["", f"### {title}", "", markdown_table(headers, rows)]
+        if mode == "throughput":
+            parts += ["", "Time of the whole batch split into prefill and decode (kiln: steps that ran "
+                          "prompt tokens / the others; transformers: a one-token generate of the batch / the rest)",
+                      "", _split_table(by_dtype, dtypes)]
     first = next(iter(report["summary"].values()), None)
     if first is not None:
         rows = []
