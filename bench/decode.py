@@ -63,7 +63,7 @@ from typing import Any
 import torch
 
 from bench.adapters import BASELINES, THROUGHPUT_BASELINES, KilnEngine, KilnThroughputEngine
-from bench.common.bandwidth import decode_traffic, machine_read_bandwidth, roofline
+from bench.common.bandwidth import attach_bandwidth, machine_read_bandwidth
 from bench.common.harness import NOISY_SPREAD, BenchSettings, Engine, EngineSpec, median, run_engines
 from bench.common.models import (
     DEFAULT_SHAPE,
@@ -359,11 +359,9 @@ def _bandwidth(model_path: Path, model: dict[str, Any], args: argparse.Namespace
     """The bytes a decode step reads, the machine's read bandwidth before and
     after the engines ran (the higher median is the roofline), and each
     result's share of it (added to the result as ``bandwidth``)."""
-    traffic = decode_traffic(model_path, model, args.dtype, args.prompt_len + args.max_tokens / 2)
     machine = max(before, after, key=lambda m: m["gb_per_s"])
-    for r in results:
-        if "error" not in r:
-            r["bandwidth"] = roofline(r.get("decode_tokens_per_s"), traffic, machine)
+    traffic = attach_bandwidth(model_path, model, args.dtype, args.prompt_len + args.max_tokens / 2, results,
+                               machine)
     return {"traffic": traffic, "machine": machine, "machine_before": before, "machine_after": after}
 
 

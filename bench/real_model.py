@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from bench.adapters import BASELINES, THROUGHPUT_BASELINES, KilnEngine, KilnThroughputEngine
+from bench.common.bandwidth import attach_bandwidth, machine_read_bandwidth
 from bench.common.harness import NOISY_SPREAD, BenchSettings, Engine, EngineSpec, run_engines
 from bench.common.machine import cpu_bf16_support
 from bench.common.models import chat_prompts, describe_model, load_tokenizer, resolve_model_arg
@@ -264,6 +265,23 @@ def _tokens_cell(r: dict[str, Any], mode: str, exact: bool) -> str:
     return f"{100 * r['token_agreement']:.0f}%"
 
 
+def _bandwidth_section(report: dict[str, Any]) -> list[str]:
+    """Batch 1: bytes a step reads per dtype, achieved GB/s and the share of the
+    machine's bandwidth."""
+    bw = report.get("bandwidth")
+    if not bw:
+        return []
+    m = bw["machine"]
+    rows = [[key, SHORT[dtype], fmt(bw["traffic"][dtype]["bytes_per_token"] / 1e6, 1),
+             fmt(r["bandwidth"]["achieved_gb_per_s"], 1), fmt(100 * r["bandwidth"]["fraction_of_machine"], 0, "%"),
+             fmt(r["bandwidth"]["roofline_tokens_per_s"], 1)]
+            for dtype, results in report["results"]["batch1"].items() for key, r in results.items()
+            if r.get("bandwidth")]
+    return ["", f"### Batch-1 memory bandwidth (the machine: {m['gb_per_s']:.1f} GB/s, {m['method']}, "
+                f"{m['threads']} threads; weights counted at the run dtype, as kiln holds them)", "",
+            markdown_table(["engine", "dtype", "MB a step", "achieved GB/s", "of machine", "roofline tok/s"], rows)]
+
+
 def _split_table(by_dtype: dict[str, dict[str, Any]], dtypes: list[str]) -> str:
     rows = []
     for key in by_dtype[dtypes[0]]:
@@ -322,6 +340,7 @@ def render(report: dict[str, Any]) -> str:
             parts += ["", "Time of the whole batch split into prefill and decode (kiln: steps that ran "
                           "prompt tokens / the others; transformers: a one-token generate of the batch / the rest)",
                       "", _split_table(by_dtype, dtypes)]
+    parts += _bandwidth_section(report)
     first = next(iter(report["summary"].values()), None)
     if first is not None:
         rows = []
@@ -368,6 +387,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base = BenchSettings(args.max_tokens, args.repeats, args.device, args.dtypes[0],
                          kiln_cache_dir=args.kiln_cache_dir)
     lens = output_lens(args.max_tokens, args.throughput, args.same_lengths)
+    machine_before = machine_read_bandwidth() if args.device == "cpu" else None
     by_mode = {"batch1": measure_mode(
         args, base, lambda level, st: KilnEngine(args.model_path, prompt, level, st),
         lambda name, st: BASELINES[name](args.model_path, prompt, st), deadline)}
@@ -377,6 +397,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         by_mode["throughput"] = measure_mode(
             args, tp, lambda level, st: KilnThroughputEngine(args.model_path, prompts, level, st),
             lambda name, st: THROUGHPUT_BASELINES[name](args.model_path, prompts, st), deadline)
+    bandwidth = None
+    if machine_before is not None:
+        machine = max(machine_before, machine_read_bandwidth(), key=lambda m: m["gb_per_s"])
+        bandwidth = {"machine": machine, "traffic": {
+            dtype: attach_bandwidth(args.model_path, model, dtype, len(prompt) + args.max_tokens / 2,
+                                    list(results.values()), machine)
+            for dtype, results in by_mode["batch1"].items()}}
     for mode, by_dtype in by_mode.items():
         for results in by_dtype.values():
             ref = compare(results, mode)
@@ -417,6 +444,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prompts": {"chat_template": templated, "batch1_index": args.batch1_prompt, "texts": texts,
                     "token_ids": ids},
         "token_check_failures": failures,
+        "bandwidth": bandwidth,
         "summary": summary,
         "results": by_mode,
     }

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["decode_traffic", "machine_read_bandwidth", "roofline"]
+__all__ = ["attach_bandwidth", "decode_traffic", "machine_read_bandwidth", "roofline"]
 
 _ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _INPUT_EMBEDDING = "model.embed_tokens.weight"
@@ -73,3 +73,14 @@ def roofline(tokens_per_s: float | None, traffic: dict[str, Any], machine: dict[
     return {"achieved_gb_per_s": round(achieved, 2), "machine_gb_per_s": machine["gb_per_s"],
             "fraction_of_machine": round(achieved / machine["gb_per_s"], 3),
             "roofline_tokens_per_s": round(machine["gb_per_s"] * 1e9 / traffic["bytes_per_token"], 1)}
+
+
+def attach_bandwidth(model_path: Path, model: dict[str, Any], dtype: str, mean_context: float,
+                     results: list[dict[str, Any]], machine: dict[str, Any]) -> dict[str, Any]:
+    """Add ``bandwidth`` (:func:`roofline`) to each measured batch-1 result of
+    one dtype; return the step's traffic."""
+    traffic = decode_traffic(model_path, model, dtype, mean_context)
+    for r in results:
+        if "error" not in r:
+            r["bandwidth"] = roofline(r.get("decode_tokens_per_s"), traffic, machine)
+    return traffic

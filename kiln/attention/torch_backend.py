@@ -42,8 +42,8 @@ class TorchAttentionMetadata:
     num_blocks: list[int]  # host: blocks each request's context spans
     block_table: torch.Tensor  # device
     slot_mapping: torch.Tensor  # device
-    decode: DecodeBatch | None = None  # the batched single-query requests, when there are several
-    per_request: tuple[int, ...] = ()  # requests attended to one by one (all of them when decode is None)
+    decode: DecodeBatch | None  # the batched single-query requests, when there are several
+    per_request: tuple[int, ...]  # requests attended to one by one (all of them when decode is None)
 
 
 def write_kv_cache(
@@ -123,8 +123,8 @@ def _decode_attention(
     against their gathered blocks, padding masked out.
 
     One call per request paid the gather's and SDPA's fixed cost for every
-    request on every layer: 64 requests of the 135M shape decoded at 540 ms a
-    step that way and at 405 ms batched, run back to back
+    request on every layer: 64 requests of the 135M shape decoded at about 540
+    ms a step that way and about 405 ms batched, run back to back
     (bench/results/decode-throughput-cpu-20261201-111605.json against
     -111731.json). The padding up to the longest context costs little: the
     keys are a few MB a layer."""
