@@ -30,6 +30,7 @@ class DecodeBatch:
     rows: torch.Tensor | slice  # query token rows, a slice when they are contiguous
     blocks: torch.Tensor  # [B, max_blocks] block ids (columns past a context: any valid id)
     seq_lens: torch.Tensor  # [B] context lengths, on the device
+    positions: torch.Tensor  # [max_blocks * block_size]: 0, 1, ... (sliding windows compare to them)
     valid: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool: the real key positions
 
 
@@ -138,16 +139,16 @@ def _decode_attention(
     v = value_cache.index_select(0, flat).view(num_b, max_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
     valid = batch.valid
     if sliding_window > 0:
-        pos = torch.arange(max_blocks * block_size, device=query.device)
-        valid = valid & (pos > batch.seq_lens[:, None] - 1 - sliding_window)[:, None, None, :]
+        valid = valid & (batch.positions > batch.seq_lens[:, None] - 1 - sliding_window)[:, None, None, :]
     q = query[batch.rows].view(num_b, num_kv_heads, group, head_dim)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=valid, scale=scale)
     out[batch.rows] = o.reshape(num_b, num_heads, head_dim)
 
 
-def _decode_batch(common: CommonAttentionMetadata, decodes: list[int], num_blocks: list[int]) -> DecodeBatch:
+def _decode_batch(common: CommonAttentionMetadata, decodes: list[int], qsl: list[int], seq_lens: list[int],
+                  num_blocks: list[int]) -> DecodeBatch:
     """Gather the decode requests' rows, blocks and key mask once per step (all
-    layers share them).
+    layers share them); ``qsl``, ``seq_lens`` and ``num_blocks`` are host lists.
 
     Block-table columns past a request's last block hold zeros or ids of earlier
     requests: valid block ids whose keys the mask hides, so they need no fixing."""
@@ -156,15 +157,14 @@ def _decode_batch(common: CommonAttentionMetadata, decodes: list[int], num_block
     index = slice(decodes[0], decodes[-1] + 1) if contiguous else torch.tensor(decodes, device=device)
     # A single-query request's token sits at its query start; consecutive
     # requests' tokens are consecutive rows.
-    start = int(common.query_start_loc_cpu[decodes[0]])
-    rows = (slice(start, start + len(decodes)) if contiguous
-            else torch.tensor([int(common.query_start_loc_cpu[i]) for i in decodes], device=device))
+    rows = (slice(qsl[decodes[0]], qsl[decodes[0]] + len(decodes)) if contiguous
+            else torch.tensor([qsl[i] for i in decodes], device=device))
     max_blocks = max(num_blocks[i] for i in decodes)
     blocks = common.block_table[index, :max_blocks].to(torch.int64)
-    seq_lens = torch.tensor([int(common.seq_lens_cpu[i]) for i in decodes], device=device)
-    pos = torch.arange(max_blocks * common.block_size, device=device)
-    valid = (pos[None, :] < seq_lens[:, None])[:, None, None, :]
-    return DecodeBatch(rows=rows, blocks=blocks, seq_lens=seq_lens, valid=valid)
+    lens = torch.tensor([seq_lens[i] for i in decodes], device=device)
+    positions = torch.arange(max_blocks * common.block_size, device=device)
+    valid = (positions[None, :] < lens[:, None])[:, None, None, :]
+    return DecodeBatch(rows=rows, blocks=blocks, seq_lens=lens, positions=positions, valid=valid)
 
 
 def _mask(ctx: int, q_len: int, sliding_window: int, group: int, device: torch.device) -> torch.Tensor | None:
@@ -195,6 +195,7 @@ class TorchAttentionBackend(AttentionBackend):
         reqs = range(common.num_reqs)
         decodes = [i for i in reqs if qsl[i + 1] - qsl[i] == 1]
         batched = len(decodes) >= self.min_decode_batch
+        per_request = tuple(i for i in reqs if qsl[i + 1] - qsl[i] != 1) if batched else tuple(reqs)
         return TorchAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             num_reqs=common.num_reqs,
@@ -203,8 +204,8 @@ class TorchAttentionBackend(AttentionBackend):
             num_blocks=num_blocks,
             block_table=common.block_table,
             slot_mapping=common.slot_mapping,
-            decode=_decode_batch(common, decodes, num_blocks) if batched else None,
-            per_request=tuple(i for i in reqs if not batched or qsl[i + 1] - qsl[i] != 1),
+            decode=_decode_batch(common, decodes, qsl, seq_lens, num_blocks) if batched else None,
+            per_request=per_request,
         )
 
     def forward(self, query, key, value, out, kv_cache, meta, scale, sliding_window) -> None:  # noqa: ANN001
