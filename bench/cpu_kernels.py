@@ -1,9 +1,10 @@
-"""CPU micro-benchmarks behind three of kiln's design choices.
+"""CPU micro-benchmarks behind four of kiln's design choices.
 
 Run from the repository root::
 
-    python -m bench.cpu_kernels                    # both, 2 threads
+    python -m bench.cpu_kernels                    # all, 2 threads
     python -m bench.cpu_kernels --only gemv
+    python -m bench.cpu_kernels --only quant-kernels
     python -m bench.cpu_kernels --smoke            # a check of this script: few calls, one small case
 
 * ``op-overhead``: the cost per call of reaching kiln's attention op through the
@@ -25,6 +26,17 @@ Run from the repository root::
   copies of its weight filling 256 MiB, more than the last-level cache, as a
   decode step touches each layer's weights once: a weight served from cache
   would flatter both.
+* ``quant-kernels``: the same small-batch linear layers, at 1 and 4 tokens, on
+  SmolLM2-135M's weight shapes (those of ``gemv`` and the attention input
+  projection qkv [960, 576]) held in kiln's packed quantized formats
+  (``kiln.models.quant.FORMATS``: per-row int8, q8_0 with a scale per 32, q4
+  with a scale and an offset per 32), each run as
+  ``kiln.models.quant.reduction`` compiled by Inductor, against the fp32
+  reduction above. Reported in ms, GB/s (packed bytes over time), speedup over
+  fp32 and the largest error against ``x @ dequantize(...).T``. One more row
+  passes the q8_0 words as int32 instead of float32 bit patterns: Inductor's
+  CPU code loads integer vectors through a stack copy, which is why kiln
+  stores the words float-typed. Weight copies are cycled as in ``gemv``.
 * ``huge-pages``: the parameters of SmolLM2-135M (fp32, 540 MB) placed by
   ``kiln.models.memory.materialize`` in 4 KiB pages and in transparent huge
   pages, each in a fresh process: seconds to place and fill them (one copy, as
@@ -55,7 +67,7 @@ from bench.common.harness import time_per_call
 from bench.common.models import SMOLLM2_135M_SHAPE
 from bench.common.report import RESULTS_DIR, RunRecord, fmt, format_table, publish
 
-BENCHMARKS = ("op-overhead", "gemv", "huge-pages")
+BENCHMARKS = ("op-overhead", "gemv", "quant-kernels", "huge-pages")
 SMOLLM2 = SMOLLM2_135M_SHAPE  # the decode shapes measured are this model's
 HEAD_DIM = SMOLLM2["hidden_size"] // SMOLLM2["num_attention_heads"]
 # name -> [out_features, in_features] of SmolLM2-135M's linear layers
@@ -65,6 +77,12 @@ GEMV_WEIGHTS: dict[str, tuple[int, int]] = {
     "down": (SMOLLM2["hidden_size"], SMOLLM2["intermediate_size"]),
 }
 GEMV_TOKENS = (1, 2, 4)
+# the attention input projection too (q, k and v side by side) for the quantized forms
+QUANT_WEIGHTS: dict[str, tuple[int, int]] = {
+    **GEMV_WEIGHTS,
+    "qkv": (SMOLLM2["hidden_size"] + 2 * SMOLLM2["num_key_value_heads"] * HEAD_DIM, SMOLLM2["hidden_size"]),
+}
+QUANT_TOKENS = (1, 4)
 ROTATION_BYTES = 256 * 2**20  # weight copies cycled through per case: more than the last-level cache
 
 
@@ -209,15 +227,22 @@ def measure_gemv_case(name: str, shape: tuple[int, int], tokens: int, repeats: i
             "mm_over_reduction_time": mm["median_ms"] / red["median_ms"]}
 
 
-def gemv_report(args: argparse.Namespace) -> dict[str, Any]:
-    record = RunRecord("gemv", "cpu")
-    weights = {"down": GEMV_WEIGHTS["down"]} if args.smoke else GEMV_WEIGHTS
-    tokens = GEMV_TOKENS[:1] if args.smoke else GEMV_TOKENS
-    batch_seconds = 0.02 if args.smoke else 0.1
+def _linear_cases(args: argparse.Namespace, label: str, weights: dict[str, tuple[int, int]],
+                  tokens: Sequence[int], measure: Callable[..., dict[str, Any]]) -> list[dict[str, Any]]:
+    """``measure(name, shape, tokens, repeats, batch_seconds)`` for every weight
+    and token count (``--smoke``: the down projection at the first count)."""
+    if args.smoke:
+        weights, tokens = {"down": weights["down"]}, tokens[:1]
     results = []
     for (name, shape), n in itertools.product(weights.items(), tokens):
-        print(f"gemv {name} {list(shape)} x {n} tokens ...", file=sys.stderr, flush=True)
-        results.append(measure_gemv_case(name, shape, n, args.repeats, batch_seconds))
+        print(f"{label} {name} {list(shape)} x {n} tokens ...", file=sys.stderr, flush=True)
+        results.append(measure(name, shape, n, args.repeats, 0.02 if args.smoke else 0.1))
+    return results
+
+
+def gemv_report(args: argparse.Namespace) -> dict[str, Any]:
+    record = RunRecord("gemv", "cpu")
+    results = _linear_cases(args, "gemv", GEMV_WEIGHTS, GEMV_TOKENS, measure_gemv_case)
     return {
         **record.head(),
         "settings": {
@@ -246,6 +271,127 @@ def render_gemv(report: dict[str, Any]) -> str:
         "",
         format_table(["weight", "shape", "tokens", "mm ms", "mm GB/s", "reduction ms", "reduction GB/s",
                       "mm / reduction", "max abs err"], rows),
+    ])
+
+
+# -------------------------------------------------------------------- quant kernels
+
+
+def quant_forms() -> dict[str, tuple[str, str]]:
+    """name -> (kiln.models.quant format, what its words are passed as): the
+    packed forms measured against the fp32 reduction."""
+    from kiln.models.quant import FORMATS
+
+    return {**{name: (name, "float32") for name in FORMATS}, "q8_0 int32 words": ("q8_0", "int32")}
+
+
+def quantized_weight(fmt_name: str, weight: torch.Tensor, gen: torch.Generator) -> Any:
+    """A ``kiln.checkpoint.QuantizedTensor`` of ``weight``'s shape in format
+    ``fmt_name``: ``weight`` quantized for int8; random integers and scales
+    (weights of about ``weight``'s magnitude) for the GGUF formats."""
+    from kiln.checkpoint import QuantizedTensor
+    from kiln.models.quant import quantize_int8
+
+    n, k = weight.shape
+    if fmt_name == "int8":
+        return quantize_int8(weight)
+    if fmt_name == "q8_0":
+        values = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        return QuantizedTensor(values, torch.rand(n, k // 32, generator=gen) * 4e-4, None, 8, "Q8_0")
+    values = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    return QuantizedTensor(values, torch.rand(n, k // 32, generator=gen) * 4e-3,
+                           torch.randn(n, k // 32, generator=gen) * 0.02, 4, "Q4_1")
+
+
+def _copies(tensors: Sequence[torch.Tensor | None], nbytes: int) -> list[tuple[torch.Tensor | None, ...]]:
+    """``tensors`` and clones of them (None stays None), filling ``ROTATION_BYTES``."""
+    clones = [tuple(None if t is None else t.clone() for t in tensors)
+              for _ in range(max(1, math.ceil(ROTATION_BYTES / nbytes)) - 1)]
+    return [tuple(tensors), *clones]
+
+
+def measure_quant_form(fn: Callable[..., torch.Tensor], x: torch.Tensor, copies: list[tuple[Any, ...]],
+                       reference: torch.Tensor, nbytes: int, repeats: int, batch_seconds: float) -> dict[str, Any]:
+    """``fn(x, *copy)`` compiled afresh, timed cycling through ``copies``, and
+    its largest error against ``reference`` (the result for ``copies[0]``)."""
+    torch.compiler.reset()  # a fresh compile per form: no recompile limit, no dynamic shapes
+    compiled = torch.compile(fn, dynamic=False, fullgraph=True)
+    t0 = time.perf_counter()
+    got = compiled(x, *copies[0])
+    compile_seconds = time.perf_counter() - t0
+    nxt = itertools.cycle(copies)
+    t = time_per_call(lambda: compiled(x, *next(nxt)), repeats=repeats, min_batch_seconds=batch_seconds)
+    return {**t, "bytes": nbytes, "copies": len(copies), "gb_per_s": nbytes / (t["median_ms"] / 1e3) / 1e9,
+            "compile_seconds": compile_seconds, "max_abs_error": float((got - reference).abs().max())}
+
+
+def measure_quant_case(name: str, shape: tuple[int, int], tokens: int, repeats: int,
+                       batch_seconds: float) -> dict[str, Any]:
+    """The fp32 reduction and each packed form on one weight shape and token count."""
+    from kiln.models.quant import FORMATS, dequantize, pack, reduction
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(shape, generator=gen) * 0.02
+    x = torch.randn(tokens, shape[1], generator=gen)
+    forms = []
+    with torch.inference_mode():
+        fp32_bytes = math.prod(shape) * 4
+        base = measure_quant_form(gemv_reduction, x, _copies([weight], fp32_bytes), F.linear(x, weight),
+                                  fp32_bytes, repeats, batch_seconds)
+        forms.append({"form": "fp32", "call": "torch.compile((x[:, None, :] * W).sum(-1))",
+                      "error_vs": "x @ W.T", **base})
+        packed = {f: pack(quantized_weight(f, weight, gen), FORMATS[f]) for f in FORMATS}
+        for form, (f, words_as) in quant_forms().items():
+            fmt_ = FORMATS[f]
+            words, scales, offsets = packed[f]
+            reference = x @ dequantize(words, scales, offsets, fmt_).T
+            if words_as == "int32":
+                words = words.view(torch.int32)
+            nbytes = fmt_.nbytes(*shape)
+            t = measure_quant_form(lambda x, w, s, o, fmt_=fmt_: reduction(x, w, s, o, fmt_), x,
+                                   _copies([words, scales, offsets], nbytes), reference, nbytes,
+                                   repeats, batch_seconds)
+            forms.append({"form": form, "format": f, "words_dtype": words_as,
+                          "call": f"torch.compile(kiln.models.quant.reduction(x, words, scales, offsets, '{f}'))",
+                          "error_vs": "x @ dequantize(words, scales, offsets, fmt).T", **t})
+    for r in forms:
+        r["speedup_vs_fp32"] = base["median_ms"] / r["median_ms"]
+    return {"weight": name, "shape": list(shape), "tokens": tokens, "forms": forms}
+
+
+def quant_kernels_report(args: argparse.Namespace) -> dict[str, Any]:
+    record = RunRecord("quant-kernels", "cpu")
+    results = _linear_cases(args, "quant-kernels", QUANT_WEIGHTS, QUANT_TOKENS, measure_quant_case)
+    return {
+        **record.head(),
+        "settings": {
+            "smoke": args.smoke,
+            "activations": "float32",
+            "threads": torch.get_num_threads(),
+            "rotation_bytes": ROTATION_BYTES,
+            "weights": "fp32 randn * 0.02; int8 is quantize_int8 of it; q8_0 and q4 random integers, "
+                       "scales and offsets of about that magnitude, packed by kiln.models.quant.pack",
+            "statistic": "median over batches of the per-call time; GB/s = bytes read (packed: "
+                         "QuantFormat.nbytes) / median time; speedup = fp32 median / median",
+            "compile": "torch.compile(dynamic=False, fullgraph=True), default Inductor mode, one per form and "
+                       "case; compile_seconds is its first call, which Inductor's on-disk cache may serve",
+            "grad_mode": "torch.inference_mode, as kiln's runner",
+        },
+        "results": results,
+    }
+
+
+def render_quant_kernels(report: dict[str, Any]) -> str:
+    rows = [[r["weight"], "x".join(map(str, r["shape"])), str(r["tokens"]), f["form"], fmt(f["bytes"] / 1e6, 2),
+             fmt(f["median_ms"], 3), fmt(f["gb_per_s"], 1), fmt(f["speedup_vs_fp32"], 2, "x"),
+             f"{f['max_abs_error']:.1e}"]
+            for r in report["results"] for f in r["forms"]]
+    return "\n".join([
+        f"small-batch linear on packed quantized weights, CPU, {report['settings']['threads']} threads; "
+        f"weights cycled through {report['settings']['rotation_bytes'] // 2**20} MiB of copies",
+        "",
+        format_table(["weight", "shape", "tokens", "form", "MB", "ms", "GB/s", "speedup vs fp32",
+                      "max abs err"], rows),
     ])
 
 
@@ -313,12 +459,12 @@ def render_huge_pages(report: dict[str, Any]) -> str:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.cpu_kernels", description=__doc__.splitlines()[0])
     p.add_argument("--only", default=",".join(BENCHMARKS),
-                   help=f"comma-separated benchmarks to run, of: {', '.join(BENCHMARKS)} (default both)")
+                   help=f"comma-separated benchmarks to run, of: {', '.join(BENCHMARKS)} (default all)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed batches per figure (default 21; 3 with --smoke)")
     p.add_argument("--smoke", action="store_true",
-                   help="a check of this script: short batches, gemv on one weight at 1 token")
+                   help="a check of this script: short batches, gemv and quant-kernels on one weight at 1 token")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory (default bench/results)")
     args = p.parse_args(argv)
     args.only = args.only.replace(",", " ").split()
@@ -343,6 +489,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print()
         report = gemv_report(args)
         publish(report, "gemv", render_gemv(report), args.out)
+    if "quant-kernels" in args.only:
+        if "op-overhead" in args.only or "gemv" in args.only:
+            print()
+        report = quant_kernels_report(args)
+        publish(report, "quant-kernels", render_quant_kernels(report), args.out)
     if "huge-pages" in args.only:
         report = huge_pages_report(args)
         publish(report, "huge-pages", render_huge_pages(report), args.out)

@@ -89,6 +89,8 @@ def load_kiln(model_path: Path, level: int, settings: BenchSettings, *, max_mode
         options["attention_backend"] = settings.attention_backend
     if settings.max_num_batched_tokens is not None:
         options["max_num_batched_tokens"] = settings.max_num_batched_tokens
+    if settings.quantization is not None:
+        options["quantization"] = settings.quantization
     cuda = settings.device.startswith("cuda")
     before = _cuda_memory() if cuda else (0, 0)
     t0 = time.perf_counter()

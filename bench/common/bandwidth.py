@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["attach_bandwidth", "decode_traffic", "machine_read_bandwidth", "roofline"]
+__all__ = ["attach_bandwidth", "decode_traffic", "machine_read_bandwidth", "model_step_bytes", "roofline"]
 
 _ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _INPUT_EMBEDDING = "model.embed_tokens.weight"
@@ -62,6 +62,25 @@ def decode_traffic(model_path: Path, model: dict[str, Any], dtype: str, mean_con
     weights = elements * size
     return {"dtype": dtype, "weight_bytes": weights, "kv_bytes": round(kv), "mean_context": mean_context,
             "bytes_per_token": round(weights + kv)}
+
+
+def model_step_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a loaded kiln model that one batch-1 decode step reads: every
+    parameter and buffer as held (packed layers at their packed size), except
+    the input embedding (one row; all of it when it is also the dense LM head)
+    and the RoPE tables (one row each)."""
+    embedding = model.embed_tokens.weight
+    seen: set[int] = set()
+    total = 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t is embedding or name.startswith("rotary.") or id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    head, fmt = model.logits_inputs()
+    if fmt is None and head[0] is embedding:
+        total += embedding.numel() * embedding.element_size()
+    return total
 
 
 def roofline(tokens_per_s: float | None, traffic: dict[str, Any], machine: dict[str, Any]) -> dict[str, Any] | None:

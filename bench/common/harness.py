@@ -41,6 +41,7 @@ class BenchSettings:
     max_num_batched_tokens: int | None = None  # kiln's step token budget; None: its default
     # throughput: each request's new tokens (max_tokens is their maximum); None: max_tokens each
     output_lens: tuple[int, ...] | None = None
+    quantization: str | None = None  # kiln's Runtime.load(quantization=...); None: dense weights
 
     @property
     def torch_dtype(self) -> torch.dtype:

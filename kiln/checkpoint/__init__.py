@@ -2,6 +2,9 @@
 reader for its tensors. Nothing here knows the model's architecture: the models
 package maps tensor names and config fields onto its own."""
 
-from kiln.checkpoint.reader import Checkpoint, CheckpointError, CheckpointReader, TensorInfo, open_checkpoint
+from kiln.checkpoint.reader import (Checkpoint, CheckpointError, CheckpointReader, QuantizedTensor, TensorInfo,
+                                   open_checkpoint)
 
-__all__ = ["Checkpoint", "CheckpointError", "CheckpointReader", "TensorInfo", "open_checkpoint"]
+__all__ = [
+    "Checkpoint", "CheckpointError", "CheckpointReader", "QuantizedTensor", "TensorInfo", "open_checkpoint",
+]

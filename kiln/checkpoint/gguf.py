@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kiln.checkpoint.reader import Checkpoint, CheckpointError, CheckpointReader, TensorInfo
+from kiln.checkpoint.reader import Checkpoint, CheckpointError, CheckpointReader, QuantizedTensor, TensorInfo
 
 __all__ = ["GGUFCheckpoint", "GGUFReader", "ARCHITECTURES", "SUPPORTED_TYPES", "GGUF_MAGIC"]
 
@@ -613,6 +613,36 @@ def dequantize(raw: np.ndarray, type_name: str, ne: tuple[int, ...]) -> torch.Te
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
 
 
+# Block formats handed over packed (``GGUFReader.get_quantized``): bytes per block of
+# 32 elements, and whether the block stores an offset ``m`` after its scale ``d``.
+PACKED_TYPES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+
+
+def split_blocks(raw: np.ndarray, type_name: str, ne: tuple[int, ...]) -> QuantizedTensor:
+    """Bytes of a Q8_0, Q4_0 or Q4_1 tensor -> its integers and per-block fp16
+    scales (as float32), rows in file order. Q8_0 blocks are ``d, qs[32]``
+    (element ``d * qs[j]``); Q4_0 ``d, qs[16]`` (element ``j`` is the low nibble of
+    ``qs[j]``, element ``j + 16`` the high one, value ``d * (q - 8)``); Q4_1 ``d, m,
+    qs[16]`` (value ``d * q + m``)."""
+    size = PACKED_TYPES[type_name]
+    rows, k = (math.prod(ne[1:]) if len(ne) > 1 else 1), ne[0]
+    if k % 32:
+        raise ValueError(f"row length {k} is not a multiple of the 32-element block")
+    blocks = raw.reshape(rows * (k // 32), size)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(rows, k // 32)
+    if type_name == "Q8_0":
+        values = torch.from_numpy(blocks[:, 2:].copy().view(np.int8).reshape(rows, k))
+        return QuantizedTensor(values, torch.from_numpy(d), None, 8, type_name)
+    start = 2 if type_name == "Q4_0" else 4
+    qs = blocks[:, start:start + 16]
+    nibbles = np.concatenate([qs & 0x0F, qs >> 4], axis=1).reshape(rows, k)
+    if type_name == "Q4_0":
+        m = -8.0 * d
+    else:
+        m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(rows, k // 32)
+    return QuantizedTensor(torch.from_numpy(nibbles), torch.from_numpy(d), torch.from_numpy(m), 4, type_name)
+
+
 def unpermute_rotary(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     """Invert llama.cpp's ``permute``: it reshapes rows to (n_head, 2, head_dim/2)
     and swaps the last two, interleaving each head's rotary halves."""
@@ -644,11 +674,7 @@ class GGUFReader(CheckpointReader):
         t = self._tensors.get(name)
         if t is None:
             raise CheckpointError(f"tensor {name!r} is not in {self.path}")
-        if self._map is None:
-            raise CheckpointError(f"{self.path}: reader is closed (reading tensor {t.gguf_name!r})")
-        raw = self._map[t.offset:t.offset + t.nbytes]
-        if raw.size != t.nbytes:
-            raise CheckpointError(f"{self.path} is truncated: tensor {t.gguf_name!r} ends past the end of the file")
+        raw = self._raw(t)
         try:
             value = dequantize(np.asarray(raw), t.type_name, t.ne)
         except Exception as e:  # gguf/numpy raise assorted types on malformed data
@@ -658,6 +684,31 @@ class GGUFReader(CheckpointReader):
         if t.permute_heads is not None:
             value = unpermute_rotary(value, t.permute_heads)
         return value
+
+    def get_quantized(self, name: str) -> QuantizedTensor | None:
+        """A Q8_0, Q4_0 or Q4_1 tensor's blocks, rows unpermuted as ``get``
+        does; None for other types."""
+        t = self._tensors.get(name)
+        if t is None or t.type_name not in PACKED_TYPES or len(t.hf_shape) != 2:
+            return None
+        raw = self._raw(t)
+        try:
+            q = split_blocks(np.asarray(raw), t.type_name, t.ne)
+        except ValueError as e:
+            raise CheckpointError(f"{self.path}: tensor {t.gguf_name!r} ({t.type_name}): {e}") from e
+        if t.permute_heads is None:
+            return q
+        rows = [unpermute_rotary(x, t.permute_heads) if x is not None else None
+                for x in (q.values, q.scales, q.offsets)]
+        return QuantizedTensor(rows[0], rows[1], rows[2], q.bits, q.source)
+
+    def _raw(self, t: _Tensor) -> np.ndarray:
+        if self._map is None:
+            raise CheckpointError(f"{self.path}: reader is closed (reading tensor {t.gguf_name!r})")
+        raw = self._map[t.offset:t.offset + t.nbytes]
+        if raw.size != t.nbytes:
+            raise CheckpointError(f"{self.path} is truncated: tensor {t.gguf_name!r} ends past the end of the file")
+        return raw
 
     def close(self) -> None:
         self._map = None

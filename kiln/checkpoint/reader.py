@@ -17,7 +17,9 @@ from typing import Any, ClassVar
 
 import torch
 
-__all__ = ["Checkpoint", "CheckpointError", "CheckpointReader", "TensorInfo", "open_checkpoint"]
+__all__ = [
+    "Checkpoint", "CheckpointError", "CheckpointReader", "QuantizedTensor", "TensorInfo", "open_checkpoint",
+]
 
 
 class CheckpointError(ValueError):
@@ -35,6 +37,25 @@ class TensorInfo:
     file: Path
 
 
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A weight stored as small integers in blocks along its rows, as a file
+    holds it (GGUF's Q8_0, Q4_0 and Q4_1) or as kiln quantized it: element
+    ``[n, k]`` is ``values[n, k] * scales[n, k // block] + offsets[n, k // block]``
+    (no offset term when ``offsets`` is None), with ``block = K // scales.shape[1]``.
+    Format-neutral: how a model packs it for its kernels is the model's business."""
+
+    values: torch.Tensor  # [N, K] int8 (8-bit formats) or uint8 in [0, 15] (4-bit ones)
+    scales: torch.Tensor  # [N, K / block] float32
+    offsets: torch.Tensor | None  # [N, K / block] float32, or None
+    bits: int  # 8 or 4
+    source: str  # the stored type, for messages: "Q8_0", "Q4_1", "int8"
+
+    @property
+    def block(self) -> int:
+        return self.values.shape[1] // self.scales.shape[1]
+
+
 class CheckpointReader(abc.ABC):
     """Lazy access to a checkpoint's tensors, by Hugging Face name."""
 
@@ -46,6 +67,12 @@ class CheckpointReader(abc.ABC):
     def get(self, name: str) -> torch.Tensor:
         """Tensor ``name`` as a CPU tensor (dequantized if stored quantized).
         Raises ``CheckpointError`` naming the file when it cannot be read."""
+
+    def get_quantized(self, name: str) -> QuantizedTensor | None:
+        """Tensor ``name`` in its stored blocks, undequantized, when it is
+        stored in a block format kiln can run packed; else None (``get`` still
+        reads it)."""
+        return None
 
     def read_into(self, name: str, dest: torch.Tensor) -> None:
         """Fill ``dest`` (a parameter, or a row block of one) with tensor

@@ -11,6 +11,12 @@ The range runnable and larger sizes keep ``mm``, which wins once several rows
 share each weight load. The LM head, the largest matrix of a small model, runs
 outside the traced graph; ``logits_head_graph`` is its reduction form, compiled
 per number of sampled rows.
+
+Packed (quantized) linears reach the compiler as ``kiln::quantized_linear`` ops
+(``kiln.models.quant``). ``lower_quantized`` writes each as plain torch code
+before Inductor sees it: the unpacking reduction in the few-token CPU pieces,
+where Inductor fuses it into one loop over the packed words, and elsewhere the
+dequantized weight (one fused kernel) feeding ``linear``.
 """
 
 from __future__ import annotations
@@ -19,8 +25,11 @@ import copy
 
 import torch
 from torch import fx
+from torch.fx.proxy import GraphAppendingTracer
 
-__all__ = ["CPU_GEMV_MAX_TOKENS", "decompose_linears", "logits_head_graph"]
+from kiln.models.quant import FORMATS, QuantFormat, packed_linear, quantized_linear
+
+__all__ = ["CPU_GEMV_MAX_TOKENS", "decompose_linears", "logits_head_graph", "lower_quantized", "packed_head_graph"]
 
 # Token counts up to which exact-size CPU pieces use the reduction form: at 1, 2
 # and 4 tokens the reduction beat mm on the QKV, gate/up and LM-head weights of a
@@ -30,11 +39,12 @@ CPU_GEMV_MAX_TOKENS = 4
 
 def decompose_linears(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
     """A copy of ``gm`` whose ``linear(x, w, b)`` calls are written as
-    ``(x.unsqueeze(-2) * w).sum(-1) + b``, and how many were rewritten. ``gm``
-    itself is left as it is. The rewrite uses plain torch calls, not a helper
-    function, so that Inductor's caches can still serialise the piece."""
+    ``(x.unsqueeze(-2) * w).sum(-1) + b`` and whose packed linears as their
+    unpacking reduction, and how many were rewritten. ``gm`` itself is left as
+    it is. The rewrite uses plain torch calls, not a helper function, so that
+    Inductor's caches can still serialise the piece."""
     graph = copy.deepcopy(gm.graph)  # node by node; metadata is shared, not copied
-    rewritten = 0
+    rewritten = _lower_quantized_nodes(graph, as_reduction=True)
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in (torch._C._nn.linear, torch.nn.functional.linear):
             continue
@@ -54,6 +64,57 @@ def decompose_linears(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
     new = fx.GraphModule(gm, graph)
     new.recompile()
     return new, rewritten
+
+
+def lower_quantized(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose packed linears dequantize their weight for
+    ``linear`` (``gm`` itself when it has none)."""
+    if not any(_is_packed_linear(n) for n in gm.graph.nodes):
+        return gm
+    graph = copy.deepcopy(gm.graph)
+    _lower_quantized_nodes(graph, as_reduction=False)
+    new = fx.GraphModule(gm, graph)
+    new.recompile()
+    return new
+
+
+def _is_packed_linear(node: fx.Node) -> bool:
+    # Dynamo records the op packet; graphs built by hand may hold its overload
+    return node.op == "call_function" and node.target in (quantized_linear, quantized_linear.default)
+
+
+def _lower_quantized_nodes(graph: fx.Graph, as_reduction: bool) -> int:
+    """Replace each ``kiln::quantized_linear`` node of ``graph`` by its torch
+    form, recorded in place through proxies; returns how many."""
+    tracer = GraphAppendingTracer(graph)
+    lowered = 0
+    for node in list(graph.nodes):
+        if not _is_packed_linear(node):
+            continue
+        x, words, scales, offsets, bias, fmt_name = node.args
+        fmt, dtype = FORMATS[fmt_name], node.meta["example_value"].dtype
+        shape = tuple(words.meta["example_value"].shape[:2])
+        proxy = [fx.Proxy(n, tracer) if isinstance(n, fx.Node) else None for n in (x, words, scales, offsets, bias)]
+        with graph.inserting_before(node):
+            result = packed_linear(*proxy, fmt, as_reduction=as_reduction, shape=shape, dtype=dtype).node
+        result.meta.update({k: v for k, v in node.meta.items() if k == "example_value"})
+        node.replace_all_uses_with(result)
+        graph.erase_node(node)
+        lowered += 1
+    return lowered
+
+
+def packed_head_graph(fmt: QuantFormat, shape: tuple[int, int], dtype: torch.dtype) -> fx.GraphModule:
+    """``(hidden [S, H], *packed) -> (logits [S, V],)`` for a packed LM head,
+    as the unpacking reduction."""
+    graph = fx.Graph()
+    tracer = GraphAppendingTracer(graph)
+    names = ["hidden", "words", "scales"] + (["offsets"] if fmt.has_offsets else [])
+    proxy = {n: fx.Proxy(graph.placeholder(n), tracer) for n in names}
+    out = packed_linear(proxy["hidden"], proxy["words"], proxy["scales"], proxy.get("offsets"), None, fmt,
+                        as_reduction=True, shape=shape, dtype=dtype)
+    graph.output((out.node,))
+    return fx.GraphModule(torch.nn.Module(), graph)
 
 
 # Unannotated on purpose: symbolic_trace copies annotations into the generated code,

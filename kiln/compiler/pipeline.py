@@ -18,7 +18,9 @@ import torch
 from torch import fx, nn
 
 from kiln.compiler.capture import CapturedGraph, GraphInput, capture
-from kiln.compiler.gemv import CPU_GEMV_MAX_TOKENS, decompose_linears, logits_head_graph
+from kiln.compiler.gemv import (
+    CPU_GEMV_MAX_TOKENS, decompose_linears, logits_head_graph, lower_quantized, packed_head_graph,
+)
 from kiln.compiler.parallel import CompileJob, compile_workers, run_jobs
 from kiln.compiler.pieces import BucketedPiece, inductor_compile, token_arg
 from kiln.compiler.split import Piece, SplitGraph, bind_eager_implementations, split_graph
@@ -101,7 +103,7 @@ class CompiledModel:
         head = self.logits_heads.get(hidden.shape[0])
         if head is None:
             return self.model.compute_logits(hidden)
-        return head(hidden, self.model.logits_weight())[0]
+        return head(hidden, *self.model.logits_inputs()[0])[0]
 
 
 def _record_piece_inputs(split: SplitGraph, args: list[Any], wanted: set[str]) -> dict[str, list[Any]]:
@@ -150,7 +152,7 @@ def _piece_jobs(
     for sig, (piece, runnables) in unique.items():
         fakes = [n.meta["example_value"] for n in piece.graph_module.graph.nodes if n.op == "placeholder"]
         label = f"piece {index_of[sig]} [range 1-{max_num_tokens}]"
-        jobs.append((CompileJob(label, piece.graph_module, fakes, dynamic=True),
+        jobs.append((CompileJob(label, lower_quantized(piece.graph_module), fakes, dynamic=True),
                      functools.partial(setattr, runnables, "range")))
     for n in sizes:
         recorded = _record_piece_inputs(split, example_args(n), {p.name for p, _ in unique.values()})
@@ -158,6 +160,8 @@ def _piece_jobs(
             gm = piece.graph_module
             if device.type == "cpu" and n <= CPU_GEMV_MAX_TOKENS:
                 gm, _ = decompose_linears(gm)
+            else:
+                gm = lower_quantized(gm)
             jobs.append((CompileJob(f"piece {index_of[sig]} [{n}]", gm, recorded[piece.name], dynamic=False),
                          functools.partial(runnables.exact.__setitem__, n)))
     return jobs
@@ -165,11 +169,14 @@ def _piece_jobs(
 
 def _head_jobs(model: nn.Module, sizes: list[int], device: torch.device,
                heads: dict[int, Callable[..., Any]]) -> list[tuple[CompileJob, Install]]:
-    weight = model.logits_weight()
+    tensors, fmt = model.logits_inputs()
+    dtype = tensors[0].dtype if fmt is None else next(model.parameters()).dtype  # packed: the hidden states'
+
+    graph = logits_head_graph() if fmt is None else packed_head_graph(fmt, tuple(tensors[0].shape[:2]), dtype)
     jobs = []
     for n in sizes:
-        hidden = torch.zeros(n, weight.shape[1], dtype=weight.dtype, device=device)
-        jobs.append((CompileJob(f"logits head [{n}]", logits_head_graph(), [hidden, weight], dynamic=False),
+        hidden = torch.zeros(n, model.config.hidden_size, dtype=dtype, device=device)
+        jobs.append((CompileJob(f"logits head [{n}]", graph, [hidden, *tensors], dynamic=False),
                      functools.partial(heads.__setitem__, n)))
     return jobs
 

@@ -13,6 +13,7 @@ import torch
 from kiln.cache.keys import cache_factors
 from kiln.config import CompilationConfig, EngineConfig
 from kiln.models import ModelConfig, parse_dtype
+from kiln.models.quant import QUANTIZATION_PLAN_VERSION
 
 __all__ = ["ResolvedConfig", "kv_bytes_per_block", "resolve_engine_sizes", "sampling_defaults"]
 
@@ -42,6 +43,7 @@ class ResolvedConfig:
     eos_token_ids: tuple[int, ...]
     # what compiled code depends on beyond the model config (a GGUF's tensor layout)
     checkpoint_identity: dict[str, Any]
+    quantization: str | None  # packed linear layers (kiln.models.quant.QUANTIZATION_MODES), or None
     # SamplingParams fields the checkpoint sets for callers that set none, and
     # where each came from ({"temperature": (0.2, "generation_config.json")})
     sampling_defaults: dict[str, tuple[Any, str]]
@@ -50,6 +52,8 @@ class ResolvedConfig:
         """What the compiled code depends on (the cache key's input)."""
         model_fields = {**self.model.key_fields(), "rope_positions": self.rope_positions,
                         "checkpoint": self.checkpoint_identity}
+        if self.quantization is not None:  # absent when dense: keys of dense entries stay as they were
+            model_fields["quantization"] = {"mode": self.quantization, "plan": QUANTIZATION_PLAN_VERSION}
         return cache_factors(model_fields, self.dtype, self.compilation.to_dict(), self.device)
 
     def to_dict(self) -> dict[str, Any]:
@@ -58,6 +62,7 @@ class ResolvedConfig:
             "architecture": self.model.architecture,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
+            "quantization": self.quantization,
             "attention_backend": self.attention_backend,
             "max_model_len": self.max_model_len,
             "max_num_seqs": self.max_num_seqs,

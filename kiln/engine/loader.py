@@ -45,6 +45,7 @@ from kiln.engine.scheduler import Scheduler
 from kiln.graphs import CUDAGraphDispatcher, TorchCUDAGraphs
 from kiln.models import CausalLM, build_model, parse_dtype, parse_model_config
 from kiln.models.memory import zeroed_host_memory
+from kiln.models.quant import QUANTIZATION_MODES, packed_layers
 
 if TYPE_CHECKING:
     from kiln.compiler.cached import CompiledEntry
@@ -54,7 +55,7 @@ __all__ = ["LoadOptions", "LoadedEngine", "build_compiled", "load_engine", "pars
 
 logger = logging.getLogger(__name__)
 
-_LOAD_FIELDS = {"on_mismatch", "weights_path", "compile"}
+_LOAD_FIELDS = {"on_mismatch", "weights_path", "compile", "quantization"}
 COMPILE_MODES = ("blocking", "background")
 _COMPILATION_FIELDS = {"compile_sizes", "splitting_ops", "inductor_options", "cudagraph_mode",
                        "cudagraph_capture_sizes"}
@@ -95,6 +96,7 @@ class LoadOptions:
     on_mismatch: str
     weights_path: Path | None
     compile: str  # "blocking": compile before serving; "background": serve eagerly meanwhile
+    quantization: str | None  # packed linear layers (kiln.models.quant); None: dense weights
 
 
 def _resolve_device(device: "str | torch.device | None") -> torch.device:
@@ -127,6 +129,9 @@ def parse_options(path: "str | Path", *, optimization_level: int | None = None, 
     compile_mode = fields_.get("compile") or "blocking"
     if compile_mode not in COMPILE_MODES:
         raise ValueError(f"compile must be 'blocking' or 'background', got {compile_mode!r}")
+    quantization = fields_.get("quantization")
+    if quantization is not None and quantization not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be None or one of {list(QUANTIZATION_MODES)}, got {quantization!r}")
     if optimization_level is not None:
         CompilationConfig(level=optimization_level)  # raises for an unknown level
     compilation = {k: v for k, v in fields_.items() if k in _COMPILATION_FIELDS and v is not None}
@@ -141,6 +146,7 @@ def parse_options(path: "str | Path", *, optimization_level: int | None = None, 
         cache_dir=Path(cache_dir).expanduser() if cache_dir else default_cache_dir(),
         attention_backend=resolve_attention_backend(attention_backend, dev), on_mismatch=on_mismatch,
         weights_path=Path(weights_path).expanduser() if weights_path else None, compile=compile_mode,
+        quantization=quantization,
     )
 
 
@@ -183,6 +189,17 @@ def _compilation_for(options: LoadOptions, bundle: Bundle | None) -> Compilation
     return CompilationConfig(level=level, **merged)
 
 
+def _quantization_for(options: LoadOptions, source: ModelSource) -> str | None:
+    """The quantization asked for, else the bundle's; ``gguf`` needs a GGUF file."""
+    quantization = options.quantization
+    if quantization is None and source.bundle is not None:
+        quantization = (source.bundle.manifest["factors"]["model"].get("quantization") or {}).get("mode")
+    if quantization == "gguf" and source.checkpoint.format != "gguf":
+        raise ValueError(f"quantization='gguf' keeps a GGUF file's Q8_0/Q4_0/Q4_1 blocks packed, but "
+                         f"{source.checkpoint.path} is a {source.checkpoint.format} checkpoint; use 'int8'")
+    return quantization
+
+
 def resolve_config(source: ModelSource, options: LoadOptions) -> ResolvedConfig:
     model = parse_model_config(source.checkpoint)
     bundle = source.bundle
@@ -207,7 +224,7 @@ def resolve_config(source: ModelSource, options: LoadOptions) -> ResolvedConfig:
         gpu_memory_utilization=user.gpu_memory_utilization, seed=user.seed,
         enable_prefix_caching=user.enable_prefix_caching,
         rope_positions=max(model.max_position_embeddings, sizes.max_model_len), eos_token_ids=eos,
-        checkpoint_identity=source.checkpoint.identity(),
+        checkpoint_identity=source.checkpoint.identity(), quantization=_quantization_for(options, source),
         sampling_defaults=sampling_defaults(source.checkpoint.generation_config(),
                                             source.checkpoint.generation_config_source()),
     )
@@ -216,7 +233,7 @@ def resolve_config(source: ModelSource, options: LoadOptions) -> ResolvedConfig:
 # ------------------------------------------------------------------ 4. model
 def load_model(config: ResolvedConfig, source: ModelSource, weights: bool = True) -> CausalLM:
     return build_model(config.model, source.checkpoint, config.dtype, config.device, config.rope_positions,
-                       weights=weights)
+                       weights=weights, quantization=config.quantization)
 
 
 # ------------------------------------------------------------------ 5. compile
@@ -437,6 +454,8 @@ def startup_report(config: ResolvedConfig, engine: Engine, compiled: "CompiledEn
         "compilation": config.compilation.to_dict(),
         "device": str(config.device),
         "dtype": str(config.dtype).removeprefix("torch."),
+        "quantization": config.quantization,
+        "packed_layers": packed_layers(engine.runner.model),
         "architecture": config.model.architecture,
         "attention_backend": engine.runner.attention_backend.name,
         "cudagraph_mode": mode.value,
@@ -472,6 +491,9 @@ def _build(path: "str | Path", kwargs: dict[str, Any], weights: bool = True) -> 
     source = open_source(options, phases)
     with phases("load_config"):
         config = resolve_config(source, options)
+    if config.quantization is not None and config.compilation.level == 0:
+        logger.warning("quantization=%r at -O0: packed layers dequantize their whole weight on every call, "
+                       "slower than dense weights; the packed kernels come with -O1 and above", config.quantization)
     with phases("load_weights"):
         model = load_model(config, source, weights)
     return _Built(phases, options, source, config, model)

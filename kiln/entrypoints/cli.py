@@ -52,6 +52,9 @@ def _add_model_options(p: argparse.ArgumentParser, levels: list[int]) -> None:
                    help="CUDA graph mode (GPU only; default: the level's)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    p.add_argument("--quantization", default=None, choices=["int8", "gguf"],
+                   help="packed linear layers: int8 (per-row int8 from any checkpoint) or gguf (a GGUF file's "
+                        "Q8_0/Q4_0/Q4_1 tensors kept as stored); default: dense weights (a bundle's setting)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("-v", "--verbose", action="store_true", help="log progress and print reports")
 
@@ -103,7 +106,8 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
     """The flags of a command that runs a model, as Runtime.load options."""
     return dict(
         optimization_level=args.level, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-        max_num_seqs=getattr(args, "max_num_seqs", None), max_num_batched_tokens=args.max_num_batched_tokens,
+        quantization=args.quantization, max_num_seqs=getattr(args, "max_num_seqs", None),
+        max_num_batched_tokens=args.max_num_batched_tokens,
         cache_dir=args.cache_dir, attention_backend=args.attention_backend,
         enable_prefix_caching=args.enable_prefix_caching,
         compile=args.compile or ("background" if args.command == "serve" else "blocking"),
@@ -172,7 +176,8 @@ def _compile(args: argparse.Namespace) -> int:
     try:
         record, r = build_compiled(
             args.model, private, optimization_level=args.level, device=args.device, dtype=args.dtype,
-            max_num_batched_tokens=args.max_num_batched_tokens, **_compilation_overrides(args),
+            quantization=args.quantization, max_num_batched_tokens=args.max_num_batched_tokens,
+            **_compilation_overrides(args),
         )
         summary = write_bundle(record, out, args.include_weights)
     finally:

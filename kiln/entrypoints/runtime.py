@@ -90,6 +90,7 @@ class Runtime:
         optimization_level: int | None = None,
         device: "str | torch.device | None" = None,
         dtype: "torch.dtype | str | None" = None,
+        quantization: str | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
@@ -110,7 +111,11 @@ class Runtime:
         ``compile="background"`` returns at eager speed instead, compiles in
         another process and swaps the compiled pieces in between two steps when
         they are ready (``startup_report["background_compile"]`` and
-        ``stats().execution`` say when). ``cache_dir`` holds compiled entries (default: kiln's cache
+        ``stats().execution`` say when). ``quantization`` packs the linear
+        layers and LM head (``kiln.models.quant``): ``"int8"`` quantizes any
+        checkpoint's weights per row; ``"gguf"`` keeps a GGUF file's Q8_0,
+        Q4_0 and Q4_1 tensors as stored (other types stay dense). It pays with
+        compiled pieces (``-O1`` and above); eagerly each call dequantizes. ``cache_dir`` holds compiled entries (default: kiln's cache
         directory). ``attention_backend`` is ``"auto"`` (Triton on CUDA, torch
         elsewhere), ``"torch"`` or ``"triton"``; left as ``None`` it comes from
         ``KILN_ATTENTION_BACKEND``, else ``"auto"``. ``overrides`` take engine
@@ -124,7 +129,8 @@ class Runtime:
         ``TypeError``, a bad value a ``ValueError`` naming the option.
         """
         return cls(load_engine(
-            path, optimization_level=optimization_level, device=device, dtype=dtype, max_model_len=max_model_len,
+            path, optimization_level=optimization_level, device=device, dtype=dtype, quantization=quantization,
+            max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             num_kv_blocks=num_kv_blocks, cache_dir=cache_dir, attention_backend=attention_backend, compile=compile,
             **overrides,

@@ -15,10 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.attention.op import attend
-from kiln.checkpoint import CheckpointError, CheckpointReader
+from kiln.checkpoint import CheckpointError, CheckpointReader, QuantizedTensor, TensorInfo
 from kiln.models.config import ModelConfig
 from kiln.models.interface import CausalLM
 from kiln.models.layers import MergedLinear, RMSNorm, RotaryEmbedding
+from kiln.models.quant import FORMATS, QuantFormat, QuantizedLinear, quantize_int8
 
 __all__ = ["DecoderModel"]
 
@@ -111,6 +112,10 @@ class DecoderModel(CausalLM):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # A packed LM head (``quantize``); the embedding lookup keeps the dense matrix
+        # even when tied, as it reads only the rows of this step's tokens.
+        self.packed_head: QuantizedLinear | None = None
+        self.quantization: str | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
@@ -119,7 +124,51 @@ class DecoderModel(CausalLM):
         return self.norm(h)
 
     def logits_weight(self) -> torch.Tensor:
+        if self.packed_head is not None:
+            raise RuntimeError("the LM head is packed: use logits_inputs()")
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def _head_source(self) -> str:
+        """The parameter the LM head reads: the embedding's when tied."""
+        return "embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+
+    def logits_inputs(self) -> tuple[list[torch.Tensor], QuantFormat | None]:
+        if self.packed_head is not None:
+            return self.packed_head.packed(), self.packed_head.fmt
+        return [self.logits_weight()], None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_head is not None:
+            return self.packed_head(hidden)
+        return F.linear(hidden, self.logits_weight())
+
+    # ------------------------------------------------------------- quantization
+    def quantize(self, mode: str, tensors: list[TensorInfo]) -> dict[str, str]:
+        """Replace linear layers (and the LM head) by packed ones, on the meta
+        device before materialising: every one for ``"int8"``; for ``"gguf"``
+        those whose checkpoint tensors are all Q8_0, or all Q4_0/Q4_1 (others
+        stay dense, dequantized at load). Returns module name -> format."""
+        types = {self._destination(t.name): t.dtype for t in tensors}
+        plan: dict[str, str] = {}
+        for name, module in list(self.named_modules()):
+            if not isinstance(module, nn.Linear) or name == "lm_head":
+                continue
+            parts = range(len(module.output_sizes)) if isinstance(module, MergedLinear) else [None]
+            fmt = _plan_format(mode, [types.get((f"{name}.weight", i)) for i in parts], module.in_features)
+            if fmt is None:
+                continue
+            sizes = module.output_sizes if isinstance(module, MergedLinear) else [module.out_features]
+            parent, child = name.rsplit(".", 1)
+            setattr(self.get_submodule(parent), child,
+                    QuantizedLinear(module.in_features, sizes, module.bias is not None, fmt))
+            plan[name] = fmt.name
+        fmt = _plan_format(mode, [types.get((self._head_source(), None))], self.config.hidden_size)
+        if fmt is not None:
+            self.packed_head = QuantizedLinear(self.config.hidden_size, [self.config.vocab_size], False, fmt)
+            self.lm_head = None  # untied: the packed copy replaces it; tied: the embedding stays
+            plan["lm_head"] = fmt.name
+        self.quantization = mode
+        return plan
 
     def reset_buffers(self) -> None:
         self.rotary.reset_cache()
@@ -138,12 +187,22 @@ class DecoderModel(CausalLM):
     def load_weights(self, reader: CheckpointReader, *, read: bool = True) -> None:
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
-        expected = {(p, i) for p in params for i in self._row_blocks(p, modules)}
+        packed = {f"{n}.weight": m for n, m in modules.items() if isinstance(m, QuantizedLinear)}
+        expected = {(p, i) for p in [*params, *packed] for i in self._row_blocks(p, modules)}
         loaded: set[tuple[str, int | None]] = set()
         for info in reader.tensors():
             if info.name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some tied checkpoints store the shared matrix twice
             pname, index = self._destination(info.name)
+            if self.packed_head is not None and pname == self._head_source():
+                self._load_packed(reader, info, self.packed_head, None, read)
+                loaded.add(("packed_head.weight", None))
+                if not self.config.tie_word_embeddings:
+                    continue
+            if pname in packed:
+                self._load_packed(reader, info, packed[pname], index, read)
+                loaded.add((pname, index))
+                continue
             if pname not in params:
                 if info.name.endswith((".weight", ".bias")):
                     # A parameter the config does not account for (a bias, say): running
@@ -169,14 +228,36 @@ class DecoderModel(CausalLM):
         if missing:
             raise CheckpointError(self._missing_message(missing, reader))
 
+    def _load_packed(self, reader: CheckpointReader, info: TensorInfo, layer: QuantizedLinear,
+                     index: int | None, read: bool) -> None:
+        """Checkpoint tensor ``info`` into packed layer ``layer``: as stored
+        (``gguf``) or quantized here (``int8``)."""
+        where = f"{info.file}: tensor {info.name!r}"
+        rows = layer.output_sizes[index] if index is not None else layer.out_features
+        if tuple(info.shape) != (rows, layer.in_features):
+            raise CheckpointError(f"{where} has shape {tuple(info.shape)}, "
+                                  f"expected {(rows, layer.in_features)} from the checkpoint's config")
+        if not read:
+            return
+        q: QuantizedTensor | None
+        q = quantize_int8(reader.get(info.name)) if self.quantization == "int8" else reader.get_quantized(info.name)
+        if q is None:
+            raise CheckpointError(f"{where} ({info.dtype}) cannot be read packed for quantization="
+                                  f"{self.quantization!r}")
+        layer.load(index, q, where)
+
     @staticmethod
     def _row_blocks(pname: str, modules: dict[str, nn.Module]) -> list[int | None]:
         owner = modules[pname.rsplit(".", 1)[0]]
-        return list(range(len(owner.output_sizes))) if isinstance(owner, MergedLinear) else [None]
+        if isinstance(owner, (MergedLinear, QuantizedLinear)) and len(owner.output_sizes) > 1:
+            return list(range(len(owner.output_sizes)))
+        return [None]
 
     def _missing_message(self, missing: list[tuple[str, int | None]], reader: CheckpointReader) -> str:
         by_index = {v: k for k, v in _STACKED.items()}
         names = []
+        head = self._head_source()
+        missing = sorted({(head if p == "packed_head.weight" else p, i) for p, i in missing}, key=str)
         for pname, index in missing[:8]:
             if index is not None:
                 merged = pname.split(".")[-2]
@@ -185,3 +266,19 @@ class DecoderModel(CausalLM):
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         files = sorted({i.file.name for i in reader.tensors()})
         return f"tensor {', '.join(names)}{more} missing from the checkpoint ({', '.join(files)})"
+
+
+_GGUF_PACKED = {"Q8_0": "q8_0", "Q4_0": "q4", "Q4_1": "q4"}
+
+
+def _plan_format(mode: str, stored: list[str | None], in_features: int) -> QuantFormat | None:
+    """The packed format of a layer whose checkpoint tensors are stored as
+    ``stored``, or None to keep it dense."""
+    if mode == "int8":
+        fmt = FORMATS["int8"]
+    else:
+        names = {_GGUF_PACKED.get(t or "") for t in stored}
+        if len(names) != 1 or None in names:
+            return None
+        fmt = FORMATS[names.pop()]  # type: ignore[index]
+    return fmt if in_features % fmt.k_multiple() == 0 else None

@@ -6,7 +6,8 @@ dynamic dimension. It knows nothing of requests, the KV cache or compilation:
 attention is one call of the ``kiln::attention`` op (``kiln.attention.op``), whose
 per-step inputs come from the forward context. The LM head is kept apart
 (``compute_logits``) so the runner computes logits only for the rows it samples,
-and so the compiler can compile it on its own (``logits_weight``).
+and so the compiler can compile it on its own (``logits_inputs``). Linear layers
+may be packed (``quantize``, ``kiln.models.quant``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.checkpoint import CheckpointReader
+from kiln.checkpoint import CheckpointReader, TensorInfo
 from kiln.models.config import ConfigFields, ModelConfig
+from kiln.models.quant import QuantFormat
 
 __all__ = ["Architecture", "CausalLM"]
 
@@ -34,10 +36,23 @@ class CausalLM(nn.Module, abc.ABC):
 
     @abc.abstractmethod
     def logits_weight(self) -> torch.Tensor:
-        """The LM head's weight ``[vocab, hidden]`` (the embedding's when tied)."""
+        """The dense LM head's weight ``[vocab, hidden]`` (the embedding's when tied)."""
+
+    def logits_inputs(self) -> tuple[list[torch.Tensor], QuantFormat | None]:
+        """The LM head's tensors and their format: ``[logits_weight()]`` and None
+        when dense, else the packed tensors (``QuantizedLinear.packed``) and their
+        format."""
+        return [self.logits_weight()], None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[S, vocab]`` of the hidden rows ``[S, hidden_size]``."""
         return torch.nn.functional.linear(hidden, self.logits_weight())
+
+    def quantize(self, mode: str, tensors: list[TensorInfo]) -> dict[str, str]:
+        """On the meta device, before materialising: replace linear layers by
+        packed ones as ``mode`` (``kiln.models.quant.QUANTIZATION_MODES``) and the
+        checkpoint's stored types (``tensors``) decide. Returns module -> format."""
+        raise ValueError(f"{type(self).__name__} has no quantized layers (quantization={mode!r})")
 
     @abc.abstractmethod
     def load_weights(self, reader: CheckpointReader, *, read: bool = True) -> None:

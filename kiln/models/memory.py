@@ -77,7 +77,15 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> n
     ``dtype`` (floating point ones; others keep theirs) on ``device``, and its
     buffers storage there. Nothing is copied or initialised."""
     if device.type != "cpu":
-        return model.to_empty(device=device).to(dtype)
+        model = model.to_empty(device=device)
+        cast: dict[int, nn.Parameter] = {}  # shared parameters stay shared
+        for module in model.modules():  # parameters only: packed weights and fp32 tables keep their dtype
+            for name, p in module._parameters.items():
+                if p is not None and p.is_floating_point():
+                    if id(p) not in cast:
+                        cast[id(p)] = nn.Parameter(p.to(dtype), requires_grad=False)
+                    module._parameters[name] = cast[id(p)]
+        return model
     params = list(model.parameters())  # each shared parameter once
     kinds = [dtype if p.is_floating_point() else p.dtype for p in params]
     sizes = [p.numel() * torch.empty((), dtype=k).element_size() for p, k in zip(params, kinds)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections import Counter
 from typing import Any
 
 import torch
@@ -63,20 +64,26 @@ def parse_model_config(checkpoint: Checkpoint) -> ModelConfig:
 
 def build_model(
     config: ModelConfig, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, rope_positions: int,
-    *, weights: bool = True,
+    *, weights: bool = True, quantization: str | None = None,
 ) -> CausalLM:
     """The model with its weights, on ``device`` in ``dtype``. Built on the meta
-    device first (no random init), materialised uninitialised (on CPU in one
+    device first (no random init), its linear layers packed as ``quantization``
+    asks (``kiln.models.quant``), materialised uninitialised (on CPU in one
     huge-page block, ``kiln.models.memory``), then every parameter is filled
     from the checkpoint exactly once (without ``weights``, only checked against
     the checkpoint's names and shapes and left uninitialised: what a compile
     needs, as compiled code does not depend on weight values)."""
     arch = ARCHITECTURES[config.architecture]
-    with torch.device("meta"):
-        model = arch.model_class(config, rope_positions)
-    model = materialize(model, device, dtype)
-    model.reset_buffers()
     with checkpoint.reader() as reader:
+        with torch.device("meta"):
+            model = arch.model_class(config, rope_positions)
+            if quantization is not None:
+                plan = model.quantize(quantization, reader.tensors())
+                counts = sorted(Counter(plan.values()).items())
+                logger.info("quantization=%s: %s", quantization,
+                            ", ".join(f"{n} {f}" for f, n in counts) or "no layer packed")
+        model = materialize(model, device, dtype)
+        model.reset_buffers()
         model.load_weights(reader, read=weights)
     model.eval()
     model.requires_grad_(False)

@@ -1,0 +1,100 @@
+"""Packed (weight-only quantized) linear layers through the whole runtime:
+``quantization="int8"`` against transformers running the same int8-rounded
+weights, ``quantization="gguf"`` against kiln's dequantized model of the same
+file, compiled against eager, and the options' errors."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from kiln import Runtime, SamplingParams
+from kiln.models.quant import quantize_int8
+from tests.conftest import build_hf_model, hf_greedy, kiln_cli, load_eager, random_prompts, save_checkpoint
+from tests.unit.test_gguf import hf_to_gguf, quantize, write_gguf
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+# GGUF tensor name pattern -> stored type, as llama.cpp's mixed files are: attention in
+# Q4_0, the MLP in Q4_1, the output matrix in Q8_0; norms stay F32.
+STORED = {"attn_q.": QT.Q4_0, "attn_k.": QT.Q4_0, "attn_v.": QT.Q4_0, "attn_output.": QT.Q4_0,
+          "ffn_": QT.Q4_1, "output.weight": QT.Q8_0, "token_embd.": QT.Q8_0}
+
+
+def _tokens(rt: Runtime, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.token_ids for o in rt.generate(prompts, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def int8_case(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]], list[list[int]]]:
+    """A Llama checkpoint, prompts, and transformers' greedy tokens with every
+    linear weight replaced by its per-row int8 rounding (what kiln packs)."""
+    model = build_hf_model("llama", seed=3)
+    path = save_checkpoint(model, tmp_path_factory.mktemp("int8"))
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                q = quantize_int8(module.weight)
+                module.weight.copy_(q.values.float() * q.scales)
+    prompts = random_prompts(3, [5, 9, 17], model.config.vocab_size, seed=3)
+    return path, prompts, [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+
+
+@pytest.mark.parametrize("level", [0, 2])
+def test_int8_equals_transformers_on_the_int8_rounded_weights(int8_case, level: int, tmp_path: Path) -> None:
+    path, prompts, expected = int8_case
+    rt = Runtime.load(path, optimization_level=level, quantization="int8", cache_dir=tmp_path,
+                      compile_sizes=[1, 4])
+    assert _tokens(rt, prompts) == expected
+    report = rt.startup_report
+    assert report["quantization"] == "int8"
+    assert report["packed_layers"] == {"int8": 2 * 4 + 1}  # 4 linears per layer and the LM head
+    # its own compile-cache entry: the packed graphs differ from the dense model's
+    assert rt.config.cache_factors() != dataclasses.replace(rt.config, quantization=None).cache_factors()
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama GGUF stored as STORED says (its Q/K rows permuted as llama.cpp writes them)."""
+    model = build_hf_model("llama", seed=5)
+    meta, tensors = hf_to_gguf(model, "llama")
+    stored = []
+    for name, value, _ in tensors:
+        qtype = next((t for key, t in STORED.items() if key in name), QT.F32)
+        stored.append((name, *quantize(value, qtype)) if value.ndim == 2 else (name, value, None))
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "mixed.gguf", "llama", meta, stored)
+
+
+def test_gguf_blocks_kept_packed_give_the_dequantized_models_tokens(mixed_gguf: Path, tmp_path: Path) -> None:
+    prompts = random_prompts(3, [4, 11, 19], 384, seed=8)
+    dense = _tokens(load_eager(mixed_gguf), prompts)
+    packed = load_eager(mixed_gguf, quantization="gguf")
+    assert packed.startup_report["packed_layers"] == {"q4": 2 * 4, "q8_0": 1}
+    assert _tokens(packed, prompts) == dense
+    compiled = Runtime.load(mixed_gguf, optimization_level=2, quantization="gguf", cache_dir=tmp_path,
+                            compile_sizes=[1, 4])
+    assert _tokens(compiled, prompts) == dense
+
+
+def test_options_are_checked_before_loading(llama_checkpoint) -> None:
+    with pytest.raises(ValueError, match=r"quantization must be None or one of \['int8', 'gguf'\], got 'int4'"):
+        Runtime.load(llama_checkpoint[0], quantization="int4")
+    with pytest.raises(ValueError, match="quantization='gguf' keeps a GGUF file's .* is a hf checkpoint"):
+        load_eager(llama_checkpoint[0], quantization="gguf")
+
+
+def test_a_bundle_keeps_its_quantization(mixed_gguf: Path, tmp_path: Path) -> None:
+    """``kiln compile --quantization gguf``: the bundle loads packed without being told."""
+    prompts = random_prompts(2, [4, 11], 384, seed=9)
+    dense = _tokens(load_eager(mixed_gguf), prompts)
+    out = tmp_path / "bundle"
+    proc = kiln_cli(["compile", str(mixed_gguf), "--out", str(out), "-O1", "--quantization", "gguf"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rt = Runtime.load(out, cache_dir=tmp_path / "cache")
+    report = rt.startup_report
+    assert (report["compile_cache"], report["quantization"]) == ("bundle", "gguf")
+    assert report["packed_layers"] == {"q4": 2 * 4, "q8_0": 1}
+    assert _tokens(rt, prompts) == dense
