@@ -37,13 +37,14 @@ from typing import Any
 
 import torch
 
-from bench.adapters import KilnEngine
+from bench.adapters import BASELINES, KilnEngine
 from bench.common.bandwidth import decode_traffic, machine_read_bandwidth, model_step_bytes, roofline
 from bench.common.harness import BenchSettings, EngineSpec, run_engines
 from bench.common.models import chat_prompts, describe_model, load_tokenizer, resolve_model_arg
 from bench.common.report import RESULTS_DIR, RunRecord, fmt, markdown_table, publish
 
 MODES = ("dense", "int8", "gguf")  # "dense": quantization=None
+BASELINE = "transformers"  # eager; measured in the same run, taking turns with kiln
 
 
 def _quantization(mode: str) -> str | None:
@@ -75,8 +76,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _decode(args: argparse.Namespace, prompt: list[int], cache: Path) -> dict[str, dict[str, Any]]:
-    """Batch-1 decode per mode, the engines taking turns."""
+def _decode(args: argparse.Namespace, prompt: list[int],
+            cache: Path) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Batch-1 decode per mode and of transformers eager (dense fp32), the
+    engines taking turns."""
     specs = []
     for mode in args.modes:
         settings = BenchSettings(args.max_tokens, args.repeats, "cpu", "float32", kiln_cache_dir=cache,
@@ -84,7 +87,11 @@ def _decode(args: argparse.Namespace, prompt: list[int], cache: Path) -> dict[st
         specs.append(EngineSpec({"engine": "kiln", "level": args.level, "label": mode},
                                 lambda s=settings: _labelled(KilnEngine(args.model_path, prompt, args.level, s),
                                                              s)))
-    return dict(zip(args.modes, run_engines(specs, args.repeats, None)))
+    base = BenchSettings(args.max_tokens, args.repeats, "cpu", "float32")
+    specs.append(EngineSpec({"engine": BASELINE, "label": BASELINE},
+                            lambda: BASELINES[BASELINE](args.model_path, prompt, base)))
+    results = run_engines(specs, args.repeats, None)
+    return dict(zip(args.modes, results)), results[-1]
 
 
 def _labelled(engine: KilnEngine, settings: BenchSettings) -> KilnEngine:
@@ -124,7 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cache = Path(tempfile.mkdtemp(prefix="kiln-bench-quantized-"))
     try:
         before = machine_read_bandwidth()
-        results = _decode(args, ids[0], cache)
+        results, baseline = _decode(args, ids[0], cache)
         machine = max(before, machine_read_bandwidth(), key=lambda m: m["gb_per_s"])
         checks = _agreement(args, ids[: args.prompts], cache)
     finally:
@@ -138,12 +145,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         r["bandwidth"] = roofline(r.get("decode_tokens_per_s"), traffic, machine)
         rate = r.get("decode_tokens_per_s")
         r["speedup_vs_dense"] = round(rate / dense_rate, 3) if rate and dense_rate else None
+        base_rate = baseline.get("decode_tokens_per_s")
+        r[f"speedup_vs_{BASELINE}"] = round(rate / base_rate, 3) if rate and base_rate else None
         r.pop("token_ids", None)
     return {**record.head(torch_threads=args.threads), "model": model,
             "settings": {"level": args.level, "max_tokens": args.max_tokens, "repeats": args.repeats,
                          "prompt_tokens": len(ids[0]), "agreement_prompts": args.prompts,
                          "agreement_tokens": args.agreement_tokens, "kv_bytes_per_token": kv, "smoke": args.smoke},
-            "machine_bandwidth": machine, "results": results}
+            "machine_bandwidth": machine, "results": results,
+            "baseline": {k: v for k, v in baseline.items() if k not in ("runs", "token_ids")}}
 
 
 def render(report: dict[str, Any]) -> str:
@@ -152,6 +162,7 @@ def render(report: dict[str, Any]) -> str:
         bw = r.get("bandwidth") or {}
         rows.append([mode, ", ".join(f"{n} {f}" for f, n in r.get("packed_layers", {}).items()) or "-",
                      fmt(r.get("decode_tokens_per_s"), 1), fmt(r.get("speedup_vs_dense"), 2, "x"),
+                     fmt(r.get(f"speedup_vs_{BASELINE}"), 2, "x"),
                      fmt(r.get("bytes_per_token", 0) / 1e6, 1), fmt(bw.get("achieved_gb_per_s"), 1),
                      fmt(bw.get("fraction_of_machine", 0) * 100, 0, "%"), fmt(bw.get("roofline_tokens_per_s"), 1),
                      f"{r.get('agreement', 0):.3f} ({r.get('prompts_equal')}/{r.get('prompts')})",
@@ -161,7 +172,9 @@ def render(report: dict[str, Any]) -> str:
         f"batch-1 decode, {report['model']['name']}, -O{s['level']}, fp32 activations, "
         f"{report['machine']['torch_threads']} threads; machine sum bandwidth {m['gb_per_s']} GB/s",
         "",
-        markdown_table(["mode", "packed layers", "decode tok/s", "vs dense", "MB a step", "achieved GB/s",
+        f"{BASELINE} (dense fp32, same run): {fmt(report['baseline'].get('decode_tokens_per_s'), 1)} tok/s",
+        "",
+        markdown_table(["mode", "packed layers", "decode tok/s", "vs dense", f"vs {BASELINE}", "MB a step", "achieved GB/s",
                         "of machine", "roofline tok/s", f"greedy agreement ({s['agreement_tokens']} tokens)",
                         "error"], rows),
     ])
