@@ -15,6 +15,9 @@ TMPDIR and the Inductor and kiln caches in new empty directories.
   the same command from a git worktree of that commit, in the same run;
 * warm: ``Runtime.load(bundle)`` to the first generated token, with the load's
   phases;
+* eager-first: ``Runtime.load(bundle, compile="eager-first")`` to the first
+  token, then batch-1 decoding until ``--after-swap`` seconds after the bundle's
+  pieces were swapped in: when, and tokens/s before and after;
 * eager: ``Runtime.load(MODEL, optimization_level=0)`` to the first token, and
   transformers' ``from_pretrained`` of the same checkpoint;
 * background: ``Runtime.load(MODEL, compile="background")`` on an empty cache,
@@ -178,6 +181,25 @@ def _background(model: Path, level: int, root: Path, after: float) -> dict[str, 
     return result
 
 
+def _eager_first(bundle: str, env: dict[str, str], after: float, repeats: int) -> dict[str, Any]:
+    """A warm start that serves before the compiler is imported: first tokens
+    (``repeats`` processes), then one decode timeline across the swap."""
+    firsts = [_first_token(bundle, {"compile": "eager-first"}, env) for _ in range(repeats)]
+    t0 = time.time()
+    r = _child(DECODE_TIMELINE, [bundle, json.dumps({"compile": "eager-first"}), str(t0), str(after)], env)
+    steps = r["steps"]
+    first = next(t for t, n, _ in steps if n)
+    swap = next((t for t, _, ex in steps if ex == "compiled"), None)
+    result = {"load_to_first_token_seconds": _median(firsts, "load_to_first_token"),
+              "to_first_token_seconds": _median(firsts, "seconds_to_first_token"),
+              "timeline_first_token_seconds": round(first, 3), "swap_seconds": swap, "report": r["report"],
+              "runs": firsts}
+    if swap is not None:
+        result["eager_tokens_per_s"] = round(_rates(steps, first, swap), 2)
+        result["after_swap_tokens_per_s"] = round(_rates(steps, swap + 1.0, steps[-1][0]), 2)
+    return result
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     record = RunRecord("startup", "cpu")
     model = args.model or ensure_shape_model(args.shape)
@@ -191,6 +213,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             baseline["ref"] = args.baseline_ref
         env = {**os.environ, "KILN_CACHE_DIR": str(work / "user-cache")}
         warm = [_first_token(cold["bundle"], {}, env) for _ in range(args.repeats)]
+        eager_first = _eager_first(cold["bundle"], env, args.after_swap / 4, args.repeats)
         eager = [_first_token(str(model), {"optimization_level": 0}, env) for _ in range(args.repeats)]
         hf = [_child(TRANSFORMERS_LOAD, [str(model)], env)["load_seconds"] for _ in range(args.repeats)]
         background = _background(model, args.level, work / "background", args.after_swap)
@@ -199,7 +222,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(work / "baseline-tree")],
                            capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
-    return _summary(record, model, args, cold, baseline, warm, eager, hf, background)
+    return _summary(record, model, args, cold, baseline, warm, eager, hf, background, eager_first)
 
 
 def _median(runs: list[dict[str, Any]], key: str) -> float:
@@ -208,7 +231,7 @@ def _median(runs: list[dict[str, Any]], key: str) -> float:
 
 def _summary(record: RunRecord, model: Path, args: argparse.Namespace, cold: dict[str, Any],
              baseline: dict[str, Any] | None, warm: list[dict[str, Any]], eager: list[dict[str, Any]],
-             hf: list[float], background: dict[str, Any]) -> dict[str, Any]:
+             hf: list[float], background: dict[str, Any], deferred: dict[str, Any]) -> dict[str, Any]:
     for compiled in (cold, baseline):
         if compiled:
             compiled.pop("bundle")  # a temporary directory, gone by now
@@ -225,6 +248,7 @@ def _summary(record: RunRecord, model: Path, args: argparse.Namespace, cold: dic
         "cold_over_baseline": round(cold["seconds"] / baseline["seconds"], 3) if baseline else None,
         "warm_bundle_to_first_token_seconds": _median(warm, "seconds_to_first_token"),
         "warm_load_to_first_token_seconds": _median(warm, "load_to_first_token"),
+        "eager_first": deferred,
         "eager_to_first_token_seconds": eager_first,
         "eager_load_to_first_token_seconds": _median(eager, "load_to_first_token"),
         "eager_load_weights_seconds": round(eager_load, 3),
@@ -239,7 +263,7 @@ def _summary(record: RunRecord, model: Path, args: argparse.Namespace, cold: dic
 
 
 def render(r: dict[str, Any]) -> str:
-    bg = r["background"]
+    bg, ef = r["background"], r["eager_first"]
     cold, base = r["cold_compile"], r["cold_compile_baseline"]
     rows = [
         (f"cold: kiln compile -O{r['level']} (fresh machine)", f"{cold['seconds']:8.2f} s",
@@ -248,6 +272,12 @@ def render(r: dict[str, Any]) -> str:
             f"ratio {r['cold_over_baseline']:.2f} (goal <= 0.5)")] if base else []),
         ("warm: Runtime.load(bundle) + 1 token", f"{r['warm_load_to_first_token_seconds']:8.2f} s",
          f"{r['warm_bundle_to_first_token_seconds']:.2f} s from the process's start"),
+        ("warm, eager-first: Runtime.load(bundle) + 1 token", f"{ef['load_to_first_token_seconds']:8.2f} s",
+         f"{ef['to_first_token_seconds']:.2f} s from the process's start"),
+        *([("warm, eager-first: bundle's pieces swapped in", f"{ef['swap_seconds']:8.2f} s",
+            f"from the process's start; decode tok/s {ef['eager_tokens_per_s']:.1f} -> "
+            f"{ef['after_swap_tokens_per_s']:.1f}, pause {ef['report']['background_compile']['swap_pause_seconds']} s")]
+          if ef.get("swap_seconds") is not None else []),
         ("-O0: Runtime.load(model) + 1 token", f"{r['eager_load_to_first_token_seconds']:8.2f} s",
          f"{r['eager_to_first_token_seconds']:.2f} s from the process's start"),
         ("-O0: load_weights phase", f"{r['eager_load_weights_seconds']:8.2f} s",

@@ -1,6 +1,7 @@
 """``compile="background"``: serve eagerly from the start, compile in another
 process, swap the compiled pieces in between two steps; a failed or killed build
-leaves the engine eager; processes starting together build once."""
+leaves the engine eager; processes starting together build once.
+``compile="eager-first"``: the same on a miss, and eager at first on a hit too."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from kiln import Runtime, SamplingParams
+from kiln.compiler import artifacts
 from tests.conftest import fresh_env
 
 LONG = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
@@ -128,5 +131,44 @@ def test_two_processes_on_one_empty_cache_build_once_and_both_swap(tiny, eager_l
 
 
 def test_the_compile_option_is_checked_before_loading(tmp_path) -> None:
-    with pytest.raises(ValueError, match="compile must be 'blocking' or 'background', got 'later'"):
+    with pytest.raises(ValueError, match="compile must be one of 'blocking', 'background', 'eager-first', got 'later'"):
         Runtime.load(tmp_path / "missing", compile="later")
+
+
+def test_eager_first_builds_on_a_miss_and_serves_a_hit_eagerly_until_it_is_loaded(tiny, eager_long, tmp_path,
+                                                                                 monkeypatch) -> None:
+    path, prompts, expected = tiny
+    cache = tmp_path / "cache"
+    missed = Runtime.load(path, optimization_level=1, compile="eager-first", cache_dir=cache)
+    assert missed.startup_report["background_compile"]["state"] == "building"  # as compile="background"
+    assert _wait_for(missed, ("ready", "failed")) == "ready"
+    missed.close()
+
+    # This process imported the compiler already: hold the loading thread until
+    # the engine has stepped eagerly, as the imports would in a fresh process.
+    imports_done = threading.Event()
+    monkeypatch.setattr(artifacts, "warm_up", lambda: imports_done.wait(60))
+    rt = Runtime.load(path, optimization_level=1, compile="eager-first", cache_dir=cache)
+    report = rt.startup_report
+    assert report["compile_mode"] == "eager-first" and report["execution"] == "eager"
+    assert "import_compiler" not in report["phases"] and report["artifacts_loaded"] == 0
+    build = report["background_compile"]
+    assert build["state"] == "loading" and build["pid"] is None and build["build_cache"] == "hit"
+    rid = rt.add_request(prompts[1], LONG)
+    for _ in range(5):
+        rt.step()
+        assert rt.stats().execution == "eager"
+    imports_done.set()
+    assert _wait_for(rt, ("ready", "failed"), timeout=120) == "ready"
+    seen = set()
+    while not rt.get_output(rid).finished:
+        rt.step()
+        seen.add(rt.stats().execution)
+    assert seen == {"compiled"}  # swapped in at the first step after the imports
+    assert rt.release(rid).token_ids == eager_long
+    done = rt.startup_report["background_compile"]
+    assert done["state"] == "swapped" and done["build_seconds"] is None and done["swap_pause_seconds"] > 0
+    assert rt.compiled is not None and rt.compiled.stats.artifacts_loaded == 3
+    assert rt.compiled.stats.inductor_compiles == 0 and rt.compiled.stats.cache == "hit"
+    outs = rt.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == expected

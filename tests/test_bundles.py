@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -49,6 +51,44 @@ def test_bundle_loads_after_a_move_from_a_read_only_mount_on_a_fresh_machine(tin
         os.replace(moved, built)
 
 
+EAGER_FIRST_CHILD = r"""
+import json, sys, time
+from kiln import Runtime, SamplingParams
+rt = Runtime.load(sys.argv[1], compile="eager-first")
+report = rt.startup_report
+params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+first = [o.token_ids for o in rt.generate(json.loads(sys.argv[2]), params)]
+deadline = time.monotonic() + 300
+while rt.startup_report["background_compile"]["state"] not in ("ready", "swapped", "failed"):
+    assert time.monotonic() < deadline
+    time.sleep(0.1)
+after = [o.token_ids for o in rt.generate(json.loads(sys.argv[2]), params)]
+print(json.dumps({"execution": report["execution"], "phases": report["phases"], "first": first, "after": after,
+                  "build": rt.startup_report["background_compile"], "execution_after": rt.stats().execution,
+                  "artifacts_loaded": rt.compiled.stats.artifacts_loaded if rt.compiled else 0}))
+"""
+
+
+@pytest.mark.parametrize("bundle", [2], indirect=True)
+def test_eager_first_serves_a_bundle_at_once_and_swaps_its_pieces_in(tiny, bundle, tmp_path) -> None:
+    """A warm start that waits for nothing: eager tokens from the first step, the
+    bundle's pieces loaded (no compiler on the machine) and swapped in after."""
+    path, prompts, expected = tiny
+    level, built = bundle
+    log = tmp_path / "compiler-calls.log"
+    env = fresh_env(tmp_path / "machine", failing_compilers_log=log, KILN_CACHE_DIR=str(tmp_path / "user-cache"))
+    proc = subprocess.run([sys.executable, "-c", EAGER_FIRST_CHILD, str(built), json.dumps(prompts)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["execution"] == "eager" and "import_compiler" not in r["phases"]
+    assert r["first"] == expected and r["after"] == expected
+    assert r["build"]["state"] == "swapped" and r["build"]["build_cache"] == "bundle"
+    assert r["execution_after"] == "compiled" and r["artifacts_loaded"] == COMPILES[level]
+    assert not log.exists(), log.read_text()
+    assert not (tmp_path / "user-cache" / "compiled").exists()
+
+
 @pytest.mark.parametrize("bundle", [1], indirect=True)
 def test_bundle_mismatch_names_each_factor(bundle, tmp_path) -> None:
     level, built = bundle
@@ -62,6 +102,8 @@ def test_bundle_mismatch_names_each_factor(bundle, tmp_path) -> None:
     (tampered / "compiled" / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(FactorMismatchError, match=r"torch_version: built with '1\.0\.0', this runtime has"):
         Runtime.load(tampered, cache_dir=tmp_path)
+    with pytest.raises(FactorMismatchError, match="torch_version"):  # before it serves anything
+        Runtime.load(tampered, cache_dir=tmp_path, compile="eager-first")
     rt = Runtime.load(tampered, cache_dir=tmp_path / "user", on_mismatch="recompile")
     assert rt.startup_report["compile_cache"] == "miss" and rt.startup_report["inductor_compiles"] == 3
 

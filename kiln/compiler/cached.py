@@ -30,14 +30,13 @@ from torch import nn
 from torch._inductor import config as inductor_config
 from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
-from kiln.cache.keys import cache_key, diff_factors
+from kiln.cache.keys import cache_key
+from kiln.cache.lookup import FactorMismatchError, usable_manifest
 from kiln.cache.store import (
     MANIFEST,
     atomic_write_json,
     entry_lock,
     private_copy,
-    read_manifest,
-    verify_entry,
     verify_kernels,
     writable,
 )
@@ -49,18 +48,6 @@ from kiln.config import CompilationConfig
 __all__ = ["CompiledEntry", "FactorMismatchError", "load_entry", "load_or_compile"]
 
 logger = logging.getLogger(__name__)
-
-
-class FactorMismatchError(ValueError):
-    """A compiled entry (a bundle's) made for another torch, kiln, device or config."""
-
-    def __init__(self, where: Path, diffs: list[tuple[str, Any, Any]]) -> None:
-        lines = "\n".join(f"  {k}: built with {a!r}, this runtime has {b!r}" for k, a, b in diffs)
-        super().__init__(
-            f"{where} was compiled for a different setup; differing factors:\n{lines}\n"
-            "Rebuild it with `kiln compile`, or load with on_mismatch='recompile' to compile into the user cache."
-        )
-        self.diffs = diffs
 
 
 @dataclass
@@ -83,24 +70,6 @@ def _stats_from_manifest(manifest: dict[str, Any], loaded: int, source: str) -> 
     )
 
 
-def _usable_manifest(entry: Path, factors: dict[str, Any], strict: bool) -> tuple[dict[str, Any] | None, str]:
-    """(manifest, "") for a complete, intact entry made for ``factors``, else
-    (None, why not); ``strict``: a factor mismatch raises FactorMismatchError."""
-    manifest = read_manifest(entry)
-    if manifest is None:
-        return None, ""
-    bad = verify_entry(entry, manifest)
-    if bad:
-        return None, f"compiled entry {entry} is corrupted ({', '.join(bad[:4])}); it will be rebuilt"
-    diffs = diff_factors(manifest.get("factors", {}), factors)
-    if diffs and strict:
-        raise FactorMismatchError(entry, diffs)
-    if diffs:
-        names = ", ".join(k for k, _, _ in diffs[:4])
-        return None, f"compiled entry {entry} was made for other factors ({names}); it will be rebuilt"
-    return manifest, ""
-
-
 def load_entry(
     entry: Path, model: nn.Module, max_num_tokens: int, *, factors: dict[str, Any], source: str,
     inductor_dir: Path, strict: bool = False, eager_impls: dict[str, Any] | None = None,
@@ -114,7 +83,7 @@ def load_entry(
     rebuilt ones' checksums (the caller holds the entry's lock). ``lock_free``:
     the caller holds no lock, so return None quietly for anything that needs a
     rebuild or a repair."""
-    manifest, problem = _usable_manifest(entry, factors, strict)
+    manifest, problem = usable_manifest(entry, factors, strict)
     if manifest is None:
         if problem and not lock_free:
             logger.warning("%s", problem)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import pickle
 import tempfile
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from kiln.compiler.gemv import (
 )
 from kiln.compiler.parallel import CompileJob, compile_workers, run_jobs
 from kiln.compiler.pieces import BucketedPiece, inductor_compile, token_arg
-from kiln.compiler.split import Piece, SplitGraph, bind_eager_implementations, split_graph
+from kiln.compiler.split import Piece, SplitGraph, bind_eager_implementations, pickle_for_entry, split_graph
 from kiln.config import CompilationConfig
 from kiln.forward_context import ForwardContext, set_forward_context
 from kiln.progress import Progress
@@ -223,7 +222,7 @@ class TracedModel:
 
     captured: CapturedGraph
     split: SplitGraph
-    pristine: bytes  # the pickled split graph, before compiled pieces are installed, for the cache
+    pristine: bytes  # the pickled split graph for the cache, compute pieces as slots (pickle_for_entry)
     phases: dict[str, float]
 
 
@@ -233,7 +232,7 @@ def trace_model(model: nn.Module, config: CompilationConfig, device: torch.devic
     captured: CapturedGraph = capture(model, device)
     t1 = time.perf_counter()
     split = split_graph(captured.graph_module, list(config.splitting_ops or []))
-    pristine = pickle.dumps(split.module)
+    pristine = pickle_for_entry(split)
     return TracedModel(captured, split, pristine,
                        {"trace": round(t1 - t0, 4), "split": round(time.perf_counter() - t1, 4)})
 

@@ -18,6 +18,13 @@ steps, because rebuilding the split graph runs an FX trace, which patches
 killed, the engine keeps serving eagerly; the failure is logged once and stays
 in ``report()``.
 
+With ``compile="eager-first"`` the engine starts eagerly even when the entry
+exists (a bundle's, or the cache's): then there is no build, only the imports
+in the thread and the load between two steps. A warm start so serves its first
+token at the cost of reading the weights, where loading the compiled pieces
+first costs seconds of Dynamo and Inductor imports before it
+(bench/results/startup-cpu-*.json, ``eager_first``).
+
 The build process runs ``python -m kiln.engine.background_compile SPEC``, where
 SPEC is the JSON of the model path and the ``Runtime.load`` options; it prints
 one JSON line with what it did.
@@ -25,6 +32,7 @@ one JSON line with what it did.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -32,7 +40,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,6 +60,10 @@ logger = logging.getLogger(__name__)
 # How much nicer than the engine the build runs: the engine's steps come first.
 BUILD_NICENESS = 10
 _STDERR_TAIL = 4000
+# Python's GIL switch interval while the loading thread imports (seconds; the default is 0.005)
+IMPORT_SWITCH_INTERVAL = 0.0002
+# How long the imports for an entry already built wait for the engine's first step (seconds)
+FIRST_STEP_WAIT = 1.0
 
 
 @dataclass(frozen=True)
@@ -92,11 +104,37 @@ def share_cores(device_type: str) -> tuple[int, int, int | None]:
     return threads, during, max(1, cores - during)
 
 
+_switch_lock = threading.Lock()
+_switch_users = 0
+_switch_saved = 0.005
+
+
+@contextlib.contextmanager
+def _short_switch_interval() -> Iterator[None]:
+    """IMPORT_SWITCH_INTERVAL while any loading thread of this process imports;
+    the interval found before the first one afterwards."""
+    global _switch_users, _switch_saved
+    with _switch_lock:
+        if _switch_users == 0:
+            _switch_saved = sys.getswitchinterval()
+            sys.setswitchinterval(IMPORT_SWITCH_INTERVAL)
+        _switch_users += 1
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            _switch_users -= 1
+            if _switch_users == 0:
+                sys.setswitchinterval(_switch_saved)
+
+
 class BackgroundCompile:
-    """One background build, from its process's start to the swap.
+    """One background build, from its process's start to the swap; without a
+    ``spec``, an entry that is already built, loaded the same way.
 
     ``state`` goes ``building`` -> ``loading`` (importing what loading needs)
-    -> ``ready`` (the next step swaps) -> ``swapped``, or ends as ``failed``.
+    -> ``ready`` (the next step swaps) -> ``swapped``, or ends as ``failed``;
+    an entry already built starts at ``loading``.
     ``load`` turns the finished build into the compiled entry (None when it is
     unusable), on the engine's thread; ``after_swap`` runs there right after the
     swap (CUDA graph capture). Seconds in ``report()`` count from ``t0``, the
@@ -109,11 +147,14 @@ class BackgroundCompile:
     bench/results/startup-cpu-20261201-082947.json; 11.6 tok/s on one core with
     the cores split, startup-cpu-20261201-091546.json)."""
 
-    def __init__(self, spec: BuildSpec, load: Callable[[], "CompiledEntry | None"], *, t0: float,
-                 threads_while_building: int, after_swap: Callable[["ModelRunner"], Any] | None = None) -> None:
+    def __init__(self, spec: BuildSpec | None, load: Callable[[], "CompiledEntry | None"], *, t0: float,
+                 threads_while_building: int, after_swap: Callable[["ModelRunner"], Any] | None = None,
+                 found: str | None = None) -> None:
         self.spec = spec
+        self.found = found  # without a build: where the entry is ("hit": the cache, "bundle")
         self.threads_while_building = threads_while_building
-        self.state = "building"
+        self.threads = spec.threads if spec is not None else torch.get_num_threads()
+        self.state = "building" if spec is not None else "loading"
         self.error: str | None = None
         self._load = load
         self._after_swap = after_swap
@@ -127,14 +168,20 @@ class BackgroundCompile:
         self._swapped_at: float | None = None
         self._pause: float | None = None  # the swap's seconds between two steps
         self._stopped = False
+        self._stepped = threading.Event()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "BackgroundCompile":
-        """Start the build process. It is started by the thread that then waits
-        for it: Linux ends the build when the thread that started it ends
-        (``PR_SET_PDEATHSIG``), and a loading thread ends early."""
+        """Start the build process, or without a build the loading thread. The
+        process is started by the thread that then waits for it: Linux ends
+        the build when the thread that started it ends (``PR_SET_PDEATHSIG``),
+        and a loading thread ends early."""
+        if self.spec is None:
+            threading.Thread(target=self._load_after_first_step, name="kiln-background-load", daemon=True).start()
+            return self
         started = threading.Event()
-        threading.Thread(target=self._watch, args=(started,), name="kiln-background-compile", daemon=True).start()
+        threading.Thread(target=self._watch, args=(self.spec, started), name="kiln-background-compile",
+                         daemon=True).start()
         started.wait()
         if self._proc is not None:
             logger.warning("compiling in the background (process %d); serving eagerly until the compiled pieces "
@@ -152,10 +199,10 @@ class BackgroundCompile:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
-    def _watch(self, started: threading.Event) -> None:
+    def _watch(self, spec: BuildSpec, started: threading.Event) -> None:
         try:
-            proc = self._proc = subprocess.Popen(self.spec.argv(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                 text=True, env=self.spec.env(), start_new_session=True)
+            proc = self._proc = subprocess.Popen(spec.argv(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                 text=True, env=spec.env(), start_new_session=True)
         except OSError as e:
             self._fail(f"the background build could not start: {e}", "")
             return
@@ -175,10 +222,36 @@ class BackgroundCompile:
             return
         with self._lock:
             self.state = "loading"
-        from kiln.compiler.artifacts import warm_up
+        self._prepare_load()
 
-        warm_up()  # Dynamo and Inductor's imports, off the engine's thread
+    def stepped(self) -> None:
+        """The engine finished a step (its first tokens are out)."""
+        self._stepped.set()
 
+    def _load_after_first_step(self) -> None:
+        """An entry already built: the imports wait for the engine's first step
+        (or FIRST_STEP_WAIT seconds of an idle engine), so that the first
+        tokens come at eager speed; steps taken during the imports are slower
+        (the GIL, below)."""
+        self._stepped.wait(FIRST_STEP_WAIT)
+        self._prepare_load()
+
+    def _prepare_load(self) -> None:
+        """Dynamo and Inductor's imports, off the engine's thread; then the next
+        step loads and swaps.
+
+        An import holds the GIL, and the engine's thread gives it up at every
+        torch op, then waits out Python's switch interval (5 ms) to get it back:
+        an eager step of hundreds of ops stalls. A short interval while the
+        imports run keeps the engine's pace (IMPORT_SWITCH_INTERVAL)."""
+        try:
+            with _short_switch_interval():
+                from kiln.compiler.artifacts import warm_up
+
+                warm_up()
+        except Exception as e:  # noqa: BLE001  (the engine stays eager)
+            self._fail(f"importing the compiler failed: {e}", "")
+            return
         with self._lock:
             self.state = "ready"
 
@@ -203,7 +276,7 @@ class BackgroundCompile:
     def engine_threads(self) -> int:
         """The torch threads the engine's steps use now: fewer while the build
         runs, all of them (those the kernels were built for) after it."""
-        return self.threads_while_building if self.state == "building" else self.spec.threads
+        return self.threads_while_building if self.state in ("building", "loading") else self.threads
 
     def install(self, runner: "ModelRunner") -> None:
         """Load the entry and swap its compiled pieces into ``runner`` (between
@@ -213,10 +286,10 @@ class BackgroundCompile:
             entry = self._load()
         except Exception as e:  # noqa: BLE001  (any failure leaves the engine eager)
             logger.debug("loading the background build failed", exc_info=True)
-            self._fail(f"the background build's entry could not be loaded: {e}", "")
+            self._fail(f"{self._entry_name()} could not be loaded: {e}", "")
             return
         if entry is None:
-            self._fail("the background build's entry is missing or damaged", "")
+            self._fail(f"{self._entry_name()} is missing or damaged", "")
             return
         runner.use_compiled(entry.model)
         if self._after_swap is not None:
@@ -226,8 +299,15 @@ class BackgroundCompile:
             self._swapped_at = round(time.perf_counter() - self._t0, 3)
             self._pause = round(time.perf_counter() - t0, 3)
             self.state = "swapped"
+        if self.spec is None:
+            logger.info("compiled pieces (%s) swapped in %.1fs after the start (%.2fs between two steps)",
+                        self.found, self._swapped_at, self._pause)
+            return
         logger.warning("compiled pieces swapped in %.1fs after the start (build %.1fs, %.2fs between two steps)",
                        self._swapped_at, self._build_seconds or 0.0, self._pause)
+
+    def _entry_name(self) -> str:
+        return "the background build's entry" if self.spec is not None else f"the compiled entry ({self.found})"
 
     @property
     def entry(self) -> "CompiledEntry | None":
@@ -246,7 +326,7 @@ class BackgroundCompile:
                 "swap_pause_seconds": self._pause,
                 "execution_before": "eager",
                 "execution_after": "compiled" if self.state == "swapped" else None,
-                "build_cache": self._result.get("compile_cache"),
+                "build_cache": self._result.get("compile_cache") if self.spec is not None else self.found,
                 "inductor_compiles": self._result.get("inductor_compiles"),
                 "error": self.error,
             }

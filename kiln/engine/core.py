@@ -109,6 +109,8 @@ class Engine:
         if sampled.logprobs is not None:  # one row per sampling request, the order of ``outputs``
             outputs = [replace(o, logprobs=None if lp is None else [lp]) for o, lp in zip(outputs, sampled.logprobs)]
         self._generated_tokens += len(sampled.tokens)
+        if self.background is not None:
+            self.background.stepped()
         return EngineOutputs(outputs, sched.total_tokens, sched.num_preempted, sched.first_scheduled)
 
     def has_unfinished(self) -> bool:

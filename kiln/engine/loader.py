@@ -15,7 +15,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -26,6 +26,7 @@ import torch
 from kiln.attention.backend import create_attention_backend, resolve_attention_backend
 from kiln.cache.bundle import Bundle, BuildRecord, read_bundle
 from kiln.cache.keys import cache_key
+from kiln.cache.lookup import FactorMismatchError, loadable_without_repair
 from kiln.cache.store import private_copy, read_manifest, writable
 from kiln.checkpoint import Checkpoint, open_checkpoint
 from kiln.checkpoint.names import resolve_model_name
@@ -56,7 +57,7 @@ __all__ = ["LoadOptions", "LoadedEngine", "build_compiled", "load_engine", "pars
 logger = logging.getLogger(__name__)
 
 _LOAD_FIELDS = {"on_mismatch", "weights_path", "compile", "quantization"}
-COMPILE_MODES = ("blocking", "background")
+COMPILE_MODES = ("blocking", "background", "eager-first")
 _COMPILATION_FIELDS = {"compile_sizes", "splitting_ops", "inductor_options", "cudagraph_mode",
                        "cudagraph_capture_sizes"}
 
@@ -95,7 +96,9 @@ class LoadOptions:
     attention_backend: str
     on_mismatch: str
     weights_path: Path | None
-    compile: str  # "blocking": compile before serving; "background": serve eagerly meanwhile
+    # "blocking": compile (or load) before serving; "background": serve eagerly while compiling on a
+    # miss; "eager-first": serve eagerly until the compiled pieces are loaded (and built, on a miss)
+    compile: str
     quantization: str | None  # packed linear layers (kiln.models.quant); None: dense weights
 
 
@@ -128,7 +131,7 @@ def parse_options(path: "str | Path", *, optimization_level: int | None = None, 
         raise ValueError(f"on_mismatch must be 'error' or 'recompile', got {on_mismatch!r}")
     compile_mode = fields_.get("compile") or "blocking"
     if compile_mode not in COMPILE_MODES:
-        raise ValueError(f"compile must be 'blocking' or 'background', got {compile_mode!r}")
+        raise ValueError(f"compile must be one of {', '.join(map(repr, COMPILE_MODES))}, got {compile_mode!r}")
     quantization = fields_.get("quantization")
     if quantization is not None and quantization not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be None or one of {list(QUANTIZATION_MODES)}, got {quantization!r}")
@@ -245,16 +248,14 @@ def compile_or_load(model: CausalLM, config: ResolvedConfig, source: ModelSource
     if config.compilation.level == 0:
         return None
     from kiln.attention.op import EAGER_IMPLEMENTATIONS
-    from kiln.compiler.cached import FactorMismatchError, load_entry, load_or_compile
+    from kiln.compiler.cached import load_or_compile
 
     factors = config.cache_factors()
     cache_root = cache_root or options.cache_dir
     bundle = source.bundle
     if bundle is not None:
         try:
-            inductor = private_copy(bundle.inductor_dir, "kiln-inductor-")
-            found = load_entry(bundle.compiled_dir, model, config.max_num_batched_tokens, factors=factors,
-                               source="bundle", inductor_dir=inductor, strict=True, eager_impls=EAGER_IMPLEMENTATIONS)
+            found = _load_bundle(model, config, bundle)
             if found is not None:
                 return found
             logger.warning("bundle %s: its compiled entry is unusable; compiling into the user cache %s",
@@ -268,6 +269,17 @@ def compile_or_load(model: CausalLM, config: ResolvedConfig, source: ModelSource
         factors=factors, cache_root=cache_root, eager_impls=EAGER_IMPLEMENTATIONS,
         header={"model": config.model.architecture, "level": config.compilation.level},
     )
+
+
+def _load_bundle(model: CausalLM, config: ResolvedConfig, bundle: Bundle) -> "CompiledEntry | None":
+    """The bundle's entry, its kernels read from a private copy of its Inductor
+    cache; FactorMismatchError when it was built for another setup."""
+    from kiln.attention.op import EAGER_IMPLEMENTATIONS
+    from kiln.compiler.cached import load_entry
+
+    inductor = private_copy(bundle.inductor_dir, "kiln-inductor-")
+    return load_entry(bundle.compiled_dir, model, config.max_num_batched_tokens, factors=config.cache_factors(),
+                      source="bundle", inductor_dir=inductor, strict=True, eager_impls=EAGER_IMPLEMENTATIONS)
 
 
 def _load_cached(model: CausalLM, config: ResolvedConfig, cache_root: Path, source: str) -> "CompiledEntry | None":
@@ -502,21 +514,62 @@ def _build(path: "str | Path", kwargs: dict[str, Any], weights: bool = True) -> 
 def _compiled_at_start(b: _Built, kwargs: dict[str, Any]) -> "tuple[CompiledEntry | None, BackgroundCompile | None]":
     """Blocking: the compiled pieces, compiled now on a miss. Background: the
     pieces when a bundle or the cache holds them, else none yet and a build
-    started in another process."""
+    started in another process. Eager-first: none yet when the bundle or the
+    cache holds them, loaded in the background; a miss as background."""
     if b.config.compilation.level == 0:
         return None, None
+    eager_first = b.options.compile == "eager-first"
+    if eager_first:
+        with b.phases("find_compiled"):
+            deferred = deferred_load(b)
+        if deferred is not None:
+            return None, deferred
     if b.options.compile == "blocking" or b.source.bundle is not None:
         with b.phases("import_compiler"):  # Dynamo and Inductor: the bulk of a warm start after the weights
             from kiln.compiler.artifacts import warm_up
 
             warm_up()
         return compile_or_load(b.model, b.config, b.source, b.options), None
-    with b.phases("load_cached"):
-        found = _load_cached(b.model, b.config, b.options.cache_dir, "hit")
-    if found is not None:
-        return found, None
+    if not eager_first:
+        with b.phases("load_cached"):
+            found = _load_cached(b.model, b.config, b.options.cache_dir, "hit")
+        if found is not None:
+            return found, None
     with b.phases("start_background_compile"):
         return None, start_background_compile(b, kwargs)
+
+
+def deferred_load(b: _Built) -> BackgroundCompile | None:
+    """``compile="eager-first"``: when the bundle's entry or the cache's can be
+    loaded as it is (checked from its files, without importing the compiler),
+    its load, which the engine swaps in between two steps; else None (a
+    bundle's entry is then loaded or rebuilt as ``"blocking"`` does). A bundle
+    built for another setup raises FactorMismatchError here, before anything
+    serves, unless ``on_mismatch="recompile"``."""
+    config, model, bundle = b.config, b.model, b.source.bundle
+    factors = config.cache_factors()
+    if bundle is not None:
+        try:
+            if loadable_without_repair(bundle.compiled_dir, factors, bundle.inductor_dir, strict=True):
+                return _load_later(b, lambda: _load_bundle(model, config, bundle), "bundle")
+        except FactorMismatchError:
+            if b.options.on_mismatch != "recompile":
+                raise
+        return None
+    cache_root = b.options.cache_dir
+    entry = cache_root / "compiled" / cache_key(factors)
+    if not loadable_without_repair(entry, factors, cache_root / "inductor"):
+        return None
+    return _load_later(b, lambda: _load_cached(model, config, cache_root, "hit"), "hit")
+
+
+def _load_later(b: _Built, load: "Callable[[], CompiledEntry | None]", found: str) -> BackgroundCompile:
+    def capture(runner: ModelRunner) -> None:
+        capture_graphs(runner, b.config)
+
+    _, during, _ = share_cores(b.config.device.type)  # the loading thread's imports take a core
+    return BackgroundCompile(None, load, t0=b.phases.t0, threads_while_building=during, after_swap=capture,
+                             found=found).start()
 
 
 def load_engine(path: "str | Path", **kwargs: Any) -> LoadedEngine:

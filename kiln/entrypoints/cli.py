@@ -66,10 +66,11 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute shared prompt prefixes instead of reusing their cached KV blocks")
     p.add_argument("--cache-dir", default=None, help="kiln's cache directory")
-    p.add_argument("--compile", default=None, choices=["blocking", "background"],
+    p.add_argument("--compile", default=None, choices=["blocking", "background", "eager-first"],
                    help="on a compile-cache miss: compile before serving (blocking), or serve eagerly at once and "
-                        "swap the compiled pieces in when a background build finishes (background); default: "
-                        "background for `kiln serve`, blocking otherwise")
+                        "swap the compiled pieces in when a background build finishes (background); eager-first: "
+                        "serve eagerly at once even on a hit or from a bundle, and swap the compiled pieces in "
+                        "once loaded (or built); default: background for `kiln serve`, blocking otherwise")
 
 
 def _add_run_options(p: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -111,7 +111,11 @@ class Runtime:
         ``compile="background"`` returns at eager speed instead, compiles in
         another process and swaps the compiled pieces in between two steps when
         they are ready (``startup_report["background_compile"]`` and
-        ``stats().execution`` say when). ``quantization`` packs the linear
+        ``stats().execution`` say when). ``compile="eager-first"`` does the
+        same on a miss and also on a hit or from a bundle: the first step runs
+        eagerly, then the compiled pieces are loaded (Dynamo and Inductor's
+        imports in a thread) and swapped in; a bundle built for another setup
+        still raises before anything serves. ``quantization`` packs the linear
         layers and LM head (``kiln.models.quant``): ``"int8"`` quantizes any
         checkpoint's weights per row; ``"gguf"`` keeps a GGUF file's Q8_0,
         Q4_0 and Q4_1 tensors as stored (other types stay dense). It pays with
