@@ -26,7 +26,7 @@ from kiln.compiler.capture import GraphInput
 from kiln.compiler.pieces import BucketedPiece
 from kiln.compiler.pipeline import CompiledModel
 from kiln.compiler.split import bind_eager_implementations
-from kiln.compiler.toolchain import recorded_compiler, recorded_vec_isa
+from kiln.compiler.toolchain import recorded_compiler, recorded_torch_key, recorded_vec_isa
 
 __all__ = ["ENTRY_FORMAT", "inductor_settings", "load_compiled", "save_compiled", "warm_up"]
 
@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 ENTRY_FORMAT = 2
 GRAPH_FILE = "graph.pkl"
+TORCH_KEY_FILE = "torch-key.json"  # in kiln's cache directory
 
 
 def _artifact_path(sig: str, bucket: int | str) -> str:
@@ -114,17 +115,20 @@ def load_compiled(
     return compiled, loaded
 
 
-def warm_up() -> None:
+def warm_up(cache_dir: Path | None = None) -> None:
     """The one-time work of loading a first artifact, done ahead: importing
-    Inductor's compile path and hashing torch's sources (Inductor's own cache
-    key). It is most of a warm start (``import_compiler``, 3.5-3.8 s against
-    0.8-1.2 s of ``load_artifacts`` for the 135M shape,
-    bench/results/startup-cpu-20261201-091546.json); a background compile does
+    Inductor's compile path and knowing the hash of torch's sources (Inductor's
+    own cache key, recorded under kiln's ``cache_dir``, default
+    ``kiln.config.default_cache_dir()``: ``toolchain.recorded_torch_key``). It is
+    most of a warm start (``import_compiler``, 3.8-4.3 s against 0.57-0.71 s of
+    ``load_artifacts`` for the 135M shape,
+    bench/results/startup-cpu-20261201-172725.json); a background compile does
     it off the engine's thread."""
     import torch._inductor.compile_fx  # noqa: F401
-    from torch._inductor.codecache import torch_key
 
-    torch_key()
+    from kiln.config import default_cache_dir
+
+    recorded_torch_key((cache_dir or default_cache_dir()) / TORCH_KEY_FILE)
 
 
 @contextlib.contextmanager

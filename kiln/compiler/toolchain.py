@@ -14,6 +14,8 @@ replayed on a CPU that gives the same one.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import sys
@@ -24,10 +26,11 @@ from typing import Any
 
 import torch
 
-from kiln.cache.store import file_sha256
+from kiln.cache.store import atomic_write_json, file_sha256
 
 __all__ = [
     "ToolchainWarmup",
+    "recorded_torch_key",
     "checksum_kernels",
     "compiler_identity",
     "kernel_files",
@@ -213,3 +216,55 @@ class _VectorizedKernel(torch.nn.Module):
 
     def forward(self, x):  # type: ignore[no-untyped-def]  # unannotated: FX writes annotations into its code
         return (x * 2.0 + 1.0,)
+
+
+# Directories of the torch package that hold no Python sources Inductor hashes
+_NOT_SOURCES = {"include", "lib", "share", "bin", "__pycache__", "test", "testing"}
+
+
+def _torch_tree_digest() -> str:
+    """A digest of the size and modification time of every ``.py`` file under
+    the torch package (and torch's version): what changes whenever a file
+    ``torch_key`` hashes changes, read with ``stat`` instead of reading them."""
+    root = Path(torch.__file__).parent
+    digest = hashlib.sha256(torch.__version__.encode())
+    for here, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in _NOT_SOURCES)
+        rel = os.path.relpath(here, root)
+        for name in sorted(files):
+            if name.endswith((".py", ".cpp", ".ld")):
+                st = os.stat(os.path.join(here, name))
+                digest.update(f"{rel}/{name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def recorded_torch_key(memo: Path) -> None:
+    """Give Inductor its ``torch_key`` (a hash of torch's sources, which every
+    artifact load checks) from ``memo`` when torch's files are as they were when
+    it was recorded, else compute it and record it there. Sizes and
+    modification times are what Python itself trusts to tell a stale ``.pyc``.
+    Measured here in one process after Inductor's imports: hashing the sources
+    0.21-0.48 s, the stat walk 25 ms, a replay with its file 40-100 ms (a whole
+    warm start varied by more than that from run to run in the same hour).
+    Nothing happens with a torch whose ``torch_key`` cannot be set."""
+    from torch._inductor import codecache
+
+    key_fn = codecache.torch_key
+    if not hasattr(key_fn, "set"):
+        return
+    digest = _torch_tree_digest()
+    try:
+        saved = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        saved = {}
+    if isinstance(saved, dict) and saved.get("digest") == digest and isinstance(saved.get("key"), str):
+        try:
+            key_fn.set(bytes.fromhex(saved["key"]))
+        except (RuntimeError, ValueError):  # already known in this process, or a damaged record
+            pass
+        return
+    key = key_fn()
+    try:
+        atomic_write_json(memo, {"digest": digest, "key": key.hex(), "torch": torch.__version__})
+    except OSError:  # a read-only cache: the key is computed again next time
+        logger.debug("could not record torch_key in %s", memo, exc_info=True)

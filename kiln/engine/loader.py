@@ -528,7 +528,7 @@ def _compiled_at_start(b: _Built, kwargs: dict[str, Any]) -> "tuple[CompiledEntr
         with b.phases("import_compiler"):  # Dynamo and Inductor: the bulk of a warm start after the weights
             from kiln.compiler.artifacts import warm_up
 
-            warm_up()
+            warm_up(b.options.cache_dir)
         return compile_or_load(b.model, b.config, b.source, b.options), None
     if not eager_first:
         with b.phases("load_cached"):

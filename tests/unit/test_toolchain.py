@@ -3,10 +3,13 @@ replayed from the entry without probe builds, on any CPU.
 
 The machine building this suite may lack AVX-512; the test makes Inductor see an
 AVX-512 CPU with bf16 and VNNI (where its probe builds three test kernels) and
-counts the builds, which must be none with the recorded answer in place."""
+counts the builds, which must be none with the recorded answer in place. The
+hash of torch's sources Inductor checks on every load is replayed too, while
+torch's files are unchanged."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -60,3 +63,32 @@ def test_recorded_isa_needs_no_probe_build_and_gives_the_probed_answer(avx512_cp
         probed = cpu_vec_isa.pick_vec_isa()
     assert len(avx512_cpu) >= 2
     assert str(probed) == "avx512 avx512_vnni" and probed.build_arch_flags() == replayed_flags
+
+
+def test_torch_key_is_recorded_then_replayed_while_torch_is_unchanged(tmp_path, monkeypatch) -> None:
+    from torch._inductor import codecache
+
+    from kiln.compiler import toolchain
+
+    memo = tmp_path / "torch-key.json"
+    try:
+        codecache.torch_key.clear()
+        toolchain.recorded_torch_key(memo)  # computed, then recorded
+        real = codecache.torch_key()
+        saved = json.loads(memo.read_text())
+        assert saved["key"] == real.hex() and saved["digest"] == toolchain._torch_tree_digest()
+
+        # a recorded key is what Inductor gets while torch's files are as they were
+        memo.write_text(json.dumps({**saved, "key": "ab" * 32}))
+        codecache.torch_key.clear()
+        toolchain.recorded_torch_key(memo)
+        assert codecache.torch_key() == bytes.fromhex("ab" * 32)
+
+        # a file of torch changed (another digest): the key is computed again and recorded
+        monkeypatch.setattr(toolchain, "_torch_tree_digest", lambda: "changed")
+        codecache.torch_key.clear()
+        toolchain.recorded_torch_key(memo)
+        assert codecache.torch_key() == real
+        assert json.loads(memo.read_text()) == {**saved, "digest": "changed"}
+    finally:
+        codecache.torch_key.clear()  # the next user computes the real key
