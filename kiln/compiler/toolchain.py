@@ -223,9 +223,10 @@ _NOT_SOURCES = {"include", "lib", "share", "bin", "__pycache__", "test", "testin
 
 
 def _torch_tree_digest() -> str:
-    """A digest of the size and modification time of every ``.py`` file under
-    the torch package (and torch's version): what changes whenever a file
-    ``torch_key`` hashes changes, read with ``stat`` instead of reading them."""
+    """A digest of torch's version and the size and modification time of every
+    source file under the torch package (``.py``, and the ``.cpp``/``.ld``
+    files ``torch_key`` adds): what changes whenever a file ``torch_key`` hashes
+    changes, read with ``stat`` instead of reading them."""
     root = Path(torch.__file__).parent
     digest = hashlib.sha256(torch.__version__.encode())
     for here, dirs, files in os.walk(root):

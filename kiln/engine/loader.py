@@ -11,6 +11,7 @@ runner or CUDA graphs. Every step reads the one frozen ``ResolvedConfig``.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -328,11 +329,9 @@ def start_background_compile(b: "_Built", kwargs: dict[str, Any]) -> BackgroundC
     spec = BuildSpec(b.options.path, {**_jsonable_options(kwargs), "cache_dir": str(cache_root)},
                      cache_key(config.cache_factors()), cache_root, threads=threads, workers=workers)
 
-    def capture(runner: ModelRunner) -> None:
-        capture_graphs(runner, config)
-
     return BackgroundCompile(spec, lambda: _load_cached(model, config, cache_root, "background"),
-                             t0=b.phases.t0, threads_while_building=during, after_swap=capture).start()
+                             t0=b.phases.t0, threads_while_building=during,
+                             after_swap=functools.partial(capture_graphs, config=config)).start()
 
 
 # ------------------------------------------------------------------ 6. KV cache
@@ -564,12 +563,9 @@ def deferred_load(b: _Built) -> BackgroundCompile | None:
 
 
 def _load_later(b: _Built, load: "Callable[[], CompiledEntry | None]", found: str) -> BackgroundCompile:
-    def capture(runner: ModelRunner) -> None:
-        capture_graphs(runner, b.config)
-
     _, during, _ = share_cores(b.config.device.type)  # the loading thread's imports take a core
-    return BackgroundCompile(None, load, t0=b.phases.t0, threads_while_building=during, after_swap=capture,
-                             found=found).start()
+    return BackgroundCompile(None, load, t0=b.phases.t0, threads_while_building=during,
+                             after_swap=functools.partial(capture_graphs, config=b.config), found=found).start()
 
 
 def load_engine(path: "str | Path", **kwargs: Any) -> LoadedEngine:
