@@ -1,10 +1,11 @@
-"""CPU micro-benchmarks behind four of kiln's design choices.
+"""CPU micro-benchmarks behind five of kiln's design choices.
 
 Run from the repository root::
 
     python -m bench.cpu_kernels                    # all, 2 threads
     python -m bench.cpu_kernels --only gemv
     python -m bench.cpu_kernels --only quant-kernels
+    python -m bench.cpu_kernels --only decode-attention
     python -m bench.cpu_kernels --smoke            # a check of this script: few calls, one small case
 
 * ``op-overhead``: the cost per call of reaching kiln's attention op through the
@@ -43,6 +44,16 @@ Run from the repository root::
   loading does), and the read bandwidth of summing every parameter, a decode
   step's memory traffic.
 
+* ``decode-attention``: single-query attention over the paged KV cache at
+  SmolLM2-135M's heads (9 query, 3 KV, head dim 64; block size 16; block tables
+  a random permutation of a 4096-block cache, larger than the last-level
+  cache), for 1 to 64 requests and 128 to 512 tokens of context, one layer: the
+  torch backend's path (``index_select`` of each request's blocks, then one
+  SDPA call over the padded copy) against the C kernel of
+  ``kiln.attention.cpu_decode`` reading the cache in place. Each output is
+  checked against the other first (max abs difference in the JSON). GB/s
+  counts the context's K and V read once.
+
 Timings are medians over batches of back-to-back calls on the host clock
 (``bench.common.harness.time_per_call``). Each benchmark writes its JSON to
 ``bench/results/<name>-cpu-<stamp>.json`` and ``<name>-cpu-latest.json``.
@@ -67,7 +78,7 @@ from bench.common.harness import time_per_call
 from bench.common.models import SMOLLM2_135M_SHAPE
 from bench.common.report import RESULTS_DIR, RunRecord, fmt, format_table, publish
 
-BENCHMARKS = ("op-overhead", "gemv", "quant-kernels", "huge-pages")
+BENCHMARKS = ("op-overhead", "gemv", "quant-kernels", "huge-pages", "decode-attention")
 SMOLLM2 = SMOLLM2_135M_SHAPE  # the decode shapes measured are this model's
 HEAD_DIM = SMOLLM2["hidden_size"] // SMOLLM2["num_attention_heads"]
 # name -> [out_features, in_features] of SmolLM2-135M's linear layers
@@ -453,6 +464,79 @@ def render_huge_pages(report: dict[str, Any]) -> str:
         ["pages", "place + fill, s", "read GB/s"], rows)
 
 
+# --------------------------------------------------------------- decode attention
+
+DECODE_CASES = ((1, 128), (1, 512), (16, 256), (64, 192), (64, 512))  # (requests, context tokens)
+DECODE_BLOCK_SIZE, DECODE_CACHE_BLOCKS = 16, 4096
+
+
+def _decode_case(requests: int, context: int, gen: torch.Generator) -> dict[str, Any]:
+    from kiln.attention.cpu_decode import DecodeRows
+
+    heads, kv_heads = SMOLLM2["num_attention_heads"], SMOLLM2["num_key_value_heads"]
+    blocks = -(-context // DECODE_BLOCK_SIZE)
+    kv_cache = torch.randn(2, DECODE_CACHE_BLOCKS, DECODE_BLOCK_SIZE, kv_heads, HEAD_DIM, generator=gen)
+    table = torch.randperm(DECODE_CACHE_BLOCKS, generator=gen)[: requests * blocks].view(requests, blocks)
+    lens = torch.full((requests,), context, dtype=torch.int32)
+    rows = DecodeRows(rows=torch.arange(requests), block_table=table.to(torch.int32).contiguous(), seq_lens=lens)
+    return {"query": torch.randn(requests, heads, HEAD_DIM, generator=gen), "kv_cache": kv_cache,
+            "table": table, "rows": rows, "valid": torch.ones(requests, 1, 1, blocks * DECODE_BLOCK_SIZE,
+                                                               dtype=torch.bool)}
+
+
+def _torch_decode(c: dict[str, Any]) -> torch.Tensor:
+    """The torch backend's batched decode path, as ``_decode_attention`` runs it."""
+    q, kv, table = c["query"], c["kv_cache"], c["table"]
+    b, kv_heads = q.shape[0], kv.shape[-2]
+    flat = table.reshape(-1)
+    k = kv[0].index_select(0, flat).view(b, -1, kv_heads, HEAD_DIM).transpose(1, 2)
+    v = kv[1].index_select(0, flat).view(b, -1, kv_heads, HEAD_DIM).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.view(b, kv_heads, -1, HEAD_DIM), k, v, attn_mask=c["valid"],
+                                       scale=HEAD_DIM ** -0.5)
+    return o.reshape(q.shape)
+
+
+def decode_attention_report(args: argparse.Namespace) -> dict[str, Any]:
+    import tempfile
+
+    from kiln.attention.cpu_decode import PagedDecodeKernel, build_paged_decode
+
+    record = RunRecord("decode-attention", "cpu")
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-kernel-") as tmp:
+        kernel = PagedDecodeKernel(Path(tmp) / build_paged_decode(Path(tmp)))
+        for requests, context in DECODE_CASES[:1] if args.smoke else DECODE_CASES:
+            c = _decode_case(requests, context, gen)
+            out = torch.empty_like(c["query"])
+
+            def native(c: dict[str, Any] = c, out: torch.Tensor = out) -> None:
+                kernel(c["query"], c["kv_cache"], out, c["rows"], HEAD_DIM ** -0.5, 0)
+
+            native()
+            error = (out - _torch_decode(c)).abs().max().item()
+            timed = {name: time_per_call(fn, repeats=args.repeats, min_batch_seconds=0.01 if args.smoke else 0.2)
+                     for name, fn in (("torch", functools.partial(_torch_decode, c)), ("kernel", native))}
+            kv_bytes = 2 * requests * context * c["kv_cache"].shape[-2] * HEAD_DIM * 4
+            rows.append({"requests": requests, "context": context, "max_abs_difference": error,
+                         "kv_bytes": kv_bytes, **{f"{n}_ms": t["median_ms"] for n, t in timed.items()},
+                         **{f"{n}_gb_per_s": kv_bytes / t["median_ms"] / 1e6 for n, t in timed.items()},
+                         "speedup": timed["torch"]["median_ms"] / timed["kernel"]["median_ms"], "timings": timed})
+    return {**record.head(torch_threads=args.threads),
+            "settings": {"heads": SMOLLM2["num_attention_heads"], "kv_heads": SMOLLM2["num_key_value_heads"],
+                         "head_dim": HEAD_DIM, "block_size": DECODE_BLOCK_SIZE, "cache_blocks": DECODE_CACHE_BLOCKS,
+                         "dtype": "float32", "smoke": args.smoke, "statistic": "median over batches"},
+            "results": rows}
+
+
+def render_decode_attention(report: dict[str, Any]) -> str:
+    rows = [[str(r["requests"]), str(r["context"]), fmt(r["torch_ms"], 3), fmt(r["kernel_ms"], 3), fmt(r["speedup"], 2),
+             fmt(r["torch_gb_per_s"], 1), fmt(r["kernel_gb_per_s"], 1), f"{r['max_abs_difference']:.1e}"]
+            for r in report["results"]]
+    return "decode attention, one layer of SmolLM2-135M's heads (fp32, paged cache)\n\n" + format_table(
+        ["requests", "context", "torch ms", "C kernel ms", "speedup", "torch GB/s", "kernel GB/s", "max diff"], rows)
+
+
 # ---------------------------------------------------------------------------- main
 
 
@@ -497,6 +581,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "huge-pages" in args.only:
         report = huge_pages_report(args)
         publish(report, "huge-pages", render_huge_pages(report), args.out)
+    if "decode-attention" in args.only:
+        report = decode_attention_report(args)
+        publish(report, "decode-attention", render_decode_attention(report), args.out)
     return 0
 
 

@@ -21,11 +21,18 @@ Two modes, on the same checkpoint, dtype and prompt(s):
 * kiln's per-step CPU time outside the model (runner prepare, sampler, and the
   rest of the engine step: scheduler, bookkeeping, streaming).
 
-**Throughput** (``--throughput N``): N requests of ``--prompt-len`` (default 128)
-prompt and ``--max-tokens`` (default 128) output tokens submitted at once: kiln
-through ``Runtime.generate`` (continuous batching, ``max_num_seqs`` N), the
-baselines through one batched ``generate`` with left padding. The figure is
-output tokens over the wall time of the whole batch, prefill included.
+Batch 1 also reports each engine's prefill rate, ``--prompt-len`` over the time to
+the first token (``--prompt-len 512 --max-tokens 2``: a 512-token prefill).
+
+**Throughput** (``--throughput N``): N requests submitted at once, of mixed
+lengths by default: prompts ``--prompt-len`` (default 128) x 1, 1/8, 1/2, 1/4,
+3/4 and budgets ``--max-tokens`` (default 128) x 1, 1/4, 3/4, 1/2, cycled
+(``--same-lengths``: every request both maxima). kiln runs them through its
+engine (continuous batching, ``max_num_seqs`` N, each request stopped at its
+budget); the baselines through one batched ``generate``, left-padded to the
+longest prompt and run to the longest budget, each request credited with its
+own budget's tokens. The figure is output tokens over the wall time of the
+whole batch, prefill included, with the time split between prefill and decode.
 
 Both modes record, per kiln level, the CUDA graph figures of its
 ``startup_report`` and, on CUDA, the device memory its load took.
@@ -52,6 +59,7 @@ written all the same.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
 import sys
@@ -81,6 +89,21 @@ logger = logging.getLogger("bench.decode")
 
 
 # --------------------------------------------------------------------- arguments
+
+
+# --throughput's mixed lengths, cycled over the requests (5 and 4 entries: 20
+# distinct pairs). transformers' padded batch pays for the longest of each.
+PROMPT_LEN_FRACTIONS = (1.0, 0.125, 0.5, 0.25, 0.75)
+OUTPUT_LEN_FRACTIONS = (1.0, 0.25, 0.75, 0.5)
+
+
+def throughput_lengths(n: int, prompt_len: int, max_tokens: int, same: bool) -> tuple[list[int], list[int]]:
+    """Each of ``n`` requests' prompt length and new-token budget."""
+    if same:
+        return [prompt_len] * n, [max_tokens] * n
+    prompts = [max(1, round(prompt_len * PROMPT_LEN_FRACTIONS[i % len(PROMPT_LEN_FRACTIONS)])) for i in range(n)]
+    budgets = [max(2, round(max_tokens * OUTPUT_LEN_FRACTIONS[i % len(OUTPUT_LEN_FRACTIONS)])) for i in range(n)]
+    return prompts, budgets
 
 
 def _parse_list(kind: type, text: str) -> list[Any]:
@@ -115,7 +138,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="throughput mode: N requests submitted at once (default 0: batch-1 decode)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (default 128)")
     p.add_argument("--prompt-len", type=int, default=None,
-                   help="prompt length in token ids (default 32; 128 with --throughput)")
+                   help="prompt length in token ids (default 32; with --throughput the longest, default 128)")
+    p.add_argument("--same-lengths", action="store_true",
+                   help="--throughput: every request gets --prompt-len and --max-tokens (default: mixed, "
+                        f"--prompt-len x {'/'.join(map(str, PROMPT_LEN_FRACTIONS))} and --max-tokens x "
+                        f"{'/'.join(map(str, OUTPUT_LEN_FRACTIONS))}, cycled)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per engine, after a warm-up (default 3)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave as is)")
     p.add_argument("--levels", type=_parse_levels, default=[0, 2],
@@ -324,6 +351,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ref = _reference(baselines, model)
     if ref is not None:
         _compare_batch1(kiln_results, ref)
+    for r in [*kiln_results, *baselines.values()]:
+        if "error" not in r and r.get("prefill_seconds"):
+            r["prefill_tokens_per_s"] = args.prompt_len / r["prefill_seconds"]
     bandwidth = None
     if machine_before is not None:
         bandwidth = _bandwidth(model_path, model, args, [*kiln_results, *baselines.values()],
@@ -389,8 +419,10 @@ THROUGHPUT_NOTES = [
     "kiln: every request submitted at once, max_num_seqs = requests, "
     "continuous batching with chunked prefill under max_num_batched_tokens; prefix caching off "
     "(every run repeats the warm-up's prompts, which a prefix cache would serve).",
-    "transformers: one batched generate, prompts left-padded (all prompts here have the same "
-    "length, so no pad token is used).",
+    "transformers: one batched generate, prompts left-padded to the longest (attention mask), run to "
+    "the longest budget, each request credited with its own budget's tokens (static batching).",
+    "mixed lengths (the default): prompts --prompt-len x PROMPT_LEN_FRACTIONS, budgets --max-tokens x "
+    "OUTPUT_LEN_FRACTIONS, cycled over the requests; --same-lengths gives every request both maxima.",
     "requests_matching_reference: requests whose greedy tokens equal transformers eager's; "
     "batched low-precision arithmetic makes near-ties diverge, so this is informational.",
 ]
@@ -400,7 +432,9 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     """Run the throughput measurements (``--throughput N``); return the report."""
     record = RunRecord("decode-throughput", args.device)
     model_path, model, settings, deadline = _prepare(args)
-    prompts = [make_prompt(model["vocab_size"], args.prompt_len, args.seed + i) for i in range(args.throughput)]
+    prompt_lens, budgets = throughput_lengths(args.throughput, args.prompt_len, args.max_tokens, args.same_lengths)
+    settings = dataclasses.replace(settings, output_lens=None if args.same_lengths else tuple(budgets))
+    prompts = [make_prompt(model["vocab_size"], n, args.seed + i) for i, n in enumerate(prompt_lens)]
     kiln_results, baselines = measure_all(
         args.levels, args.baselines, lambda level: KilnThroughputEngine(model_path, prompts, level, settings),
         lambda name: THROUGHPUT_BASELINES[name](model_path, prompts, settings), args.repeats, deadline)
@@ -414,7 +448,9 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
         "model": model,
         "settings": {
             "num_requests": args.throughput, "sampling": "greedy (temperature 0), EOS ignored",
-            "prompt_len": args.prompt_len,
+            "prompt_len": args.prompt_len, "lengths": "same" if args.same_lengths else "mixed",
+            "prompt_lens": prompt_lens, "output_lens": budgets,
+            "prompt_tokens": sum(prompt_lens), "output_tokens": sum(budgets),
             "prompt_seeds": f"{args.seed}..{args.seed + args.throughput - 1} (one per request)",
             "statistic": "median over repeats of each figure; best/worst/spread of the per-run rates too",
             **_common_settings(args), "notes": THROUGHPUT_NOTES,

@@ -155,14 +155,21 @@ def _throughput_rows(report: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def _lengths(s: dict[str, Any]) -> str:
+    if s.get("lengths") != "mixed":
+        return f"prompt {s['prompt_len']} + {s['max_tokens']} new tokens each"
+    return (f"mixed lengths: prompts {min(s['prompt_lens'])}-{max(s['prompt_lens'])} tokens "
+            f"({s['prompt_tokens']} in all), {min(s['output_lens'])}-{max(s['output_lens'])} new tokens "
+            f"({s['output_tokens']} in all)")
+
+
 def render_throughput_report(report: dict[str, Any]) -> str:
     """The human-readable summary of a throughput report."""
     s = report["settings"]
     head = (
         f"decode throughput benchmark: {_model_head(report)}\n"
-        f"{s['num_requests']} requests submitted at once, prompt {s['prompt_len']} + {s['max_tokens']} new "
-        f"tokens each, greedy; whole batch timed (prefill included); median of {s['repeats']} runs after a "
-        f"warm-up, engines taking turns"
+        f"{s['num_requests']} requests submitted at once, {_lengths(s)}, greedy; whole batch timed (prefill "
+        f"included); median of {s['repeats']} runs after a warm-up, engines taking turns"
     )
     table = format_table(["engine", "config", "output tok/s", "batch wall", "prefill", "decode", "spread",
                           f"vs {REFERENCE_BASELINE}", "requests match", "cold start"], _throughput_rows(report))

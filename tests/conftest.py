@@ -197,7 +197,8 @@ from kiln import Runtime, SamplingParams
 rt = Runtime.load(sys.argv[1], **json.loads(sys.argv[2]))
 out = rt.generate(json.loads(sys.argv[3]), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
 r = rt.startup_report
-keys = ("dynamo_traces", "inductor_compiles", "artifacts_loaded", "compile_cache", "kernels_rebuilt")
+keys = ("dynamo_traces", "inductor_compiles", "artifacts_loaded", "compile_cache", "kernels_rebuilt",
+        "attention_kernel")
 print(json.dumps({"tokens": [o.token_ids for o in out], **{k: r[k] for k in keys}}))
 """
 

@@ -70,6 +70,12 @@ class AttentionBackend(abc.ABC):
     def build_metadata(self, common: CommonAttentionMetadata) -> Any:
         """This backend's per-step metadata, built once per step on the host."""
 
+    def with_decode_kernel(self, kernel: Any) -> AttentionBackend:
+        """This backend using ``kernel``, the CPU decode-attention kernel a
+        compiled entry brings (``kiln.attention.cpu_decode``); backends with no
+        use for it return themselves."""
+        return self
+
     @abc.abstractmethod
     def forward(
         self,

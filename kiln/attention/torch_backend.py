@@ -1,9 +1,11 @@
 """The torch attention backend: the reference, and the CPU path.
 
 Decode tokens (one query each) of a step go through one batched SDPA call over
-their blocks gathered and padded to the longest context; prefill chunks walk
-their requests in Python with host-side lengths, one SDPA call each. Host-side
-lengths mean it can never sit inside a FULL CUDA graph.
+their blocks gathered and padded to the longest context, or, on CPU with the C
+kernel a compiled entry brings (``kiln.attention.cpu_decode``), through that
+kernel reading the cache in place; prefill chunks walk their requests in Python
+with host-side lengths, one SDPA call each. Host-side lengths mean it can never
+sit inside a FULL CUDA graph.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.attention.backend import AttentionBackend, CommonAttentionMetadata
+from kiln.attention.cpu_decode import DecodeRows, PagedDecodeKernel
 from kiln.config import CUDAGraphSupport
 
 __all__ = ["TorchAttentionBackend", "TorchAttentionMetadata", "paged_attention_torch", "write_kv_cache"]
@@ -32,6 +35,7 @@ class DecodeBatch:
     seq_lens: torch.Tensor  # [B] context lengths, on the device
     positions: torch.Tensor  # [max_blocks * block_size]: 0, 1, ... (sliding windows compare to them)
     valid: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool: the real key positions
+    native: DecodeRows | None = None  # the same requests for the C kernel, when the backend has one
 
 
 @dataclass(frozen=True)
@@ -75,9 +79,11 @@ def paged_attention_torch(
     meta: TorchAttentionMetadata,
     scale: float,
     sliding_window: int,
+    decode_kernel: PagedDecodeKernel | None = None,
 ) -> None:
-    """Attention over the paged cache: the decode batch in one call, every other
-    request in one SDPA call of its own.
+    """Attention over the paged cache: the decode batch in one call (of
+    ``decode_kernel`` when it can take these tensors), every other request in
+    one SDPA call of its own.
 
     Queries of a request are the last ``q_len`` positions of its ``seq_len``-long
     context, so a prefill chunk sees its cached prefix plus itself causally and a
@@ -90,7 +96,11 @@ def paged_attention_torch(
     qsl, seq_lens, nblocks = meta.query_start_loc, meta.seq_lens, meta.num_blocks
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     if meta.decode is not None:
-        _decode_attention(query, key_cache, value_cache, out, meta.decode, scale, sliding_window)
+        native = meta.decode.native
+        if decode_kernel is not None and native is not None and decode_kernel.supports(query, kv_cache):
+            decode_kernel(query, kv_cache, out, native, scale, sliding_window)
+        else:
+            _decode_attention(query, key_cache, value_cache, out, meta.decode, scale, sliding_window)
     for i in meta.per_request:
         start, end = qsl[i], qsl[i + 1]
         q_len, ctx = end - start, seq_lens[i]
@@ -146,7 +156,7 @@ def _decode_attention(
 
 
 def _decode_batch(common: CommonAttentionMetadata, decodes: list[int], qsl: list[int], seq_lens: list[int],
-                  num_blocks: list[int]) -> DecodeBatch:
+                  num_blocks: list[int], native: bool) -> DecodeBatch:
     """Gather the decode requests' rows, blocks and key mask once per step (all
     layers share them); ``qsl``, ``seq_lens`` and ``num_blocks`` are host lists.
 
@@ -164,7 +174,14 @@ def _decode_batch(common: CommonAttentionMetadata, decodes: list[int], qsl: list
     lens = torch.tensor([seq_lens[i] for i in decodes], device=device)
     positions = torch.arange(max_blocks * common.block_size, device=device)
     valid = (positions[None, :] < lens[:, None])[:, None, None, :]
-    return DecodeBatch(rows=rows, blocks=blocks, seq_lens=lens, positions=positions, valid=valid)
+    rows_for_kernel = None
+    if native:
+        first = qsl[decodes[0]]
+        rows_for_kernel = DecodeRows(
+            rows=(torch.arange(first, first + len(decodes), device=device) if contiguous else rows),
+            block_table=common.block_table[index], seq_lens=lens.to(torch.int32))
+    return DecodeBatch(rows=rows, blocks=blocks, seq_lens=lens, positions=positions, valid=valid,
+                       native=rows_for_kernel)
 
 
 def _mask(ctx: int, q_len: int, sliding_window: int, group: int, device: torch.device) -> torch.Tensor | None:
@@ -184,8 +201,15 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     cudagraph_support = CUDAGraphSupport.NEVER
     #: Fewest single-query requests that go through the batched call; below it
-    #: each is attended to alone (one request needs no padding or mask).
+    #: each is attended to alone (one request needs no padding or mask). With
+    #: the C kernel every single-query request goes through it.
     min_decode_batch = 2
+
+    def __init__(self, decode_kernel: PagedDecodeKernel | None = None) -> None:
+        self.decode_kernel = decode_kernel
+
+    def with_decode_kernel(self, kernel: PagedDecodeKernel | None) -> TorchAttentionBackend:
+        return self if kernel is self.decode_kernel else TorchAttentionBackend(kernel)
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         seq_lens = common.seq_lens_cpu.tolist()
@@ -194,7 +218,8 @@ class TorchAttentionBackend(AttentionBackend):
         num_blocks = [-(-n // bs) for n in seq_lens]
         reqs = range(common.num_reqs)
         decodes = [i for i in reqs if qsl[i + 1] - qsl[i] == 1]
-        batched = len(decodes) >= self.min_decode_batch
+        native = self.decode_kernel is not None
+        batched = len(decodes) >= (1 if native else self.min_decode_batch)
         per_request = tuple(i for i in reqs if qsl[i + 1] - qsl[i] != 1) if batched else tuple(reqs)
         return TorchAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
@@ -204,7 +229,7 @@ class TorchAttentionBackend(AttentionBackend):
             num_blocks=num_blocks,
             block_table=common.block_table,
             slot_mapping=common.slot_mapping,
-            decode=_decode_batch(common, decodes, qsl, seq_lens, num_blocks) if batched else None,
+            decode=_decode_batch(common, decodes, qsl, seq_lens, num_blocks, native) if batched else None,
             per_request=per_request,
         )
 
@@ -213,4 +238,4 @@ class TorchAttentionBackend(AttentionBackend):
         # write needs no per-step check for negative slots.
         n = meta.num_actual_tokens
         write_kv_cache(key[:n], value[:n], kv_cache, meta.slot_mapping)
-        paged_attention_torch(query[:n], kv_cache, out, meta, scale, sliding_window)
+        paged_attention_torch(query[:n], kv_cache, out, meta, scale, sliding_window, self.decode_kernel)

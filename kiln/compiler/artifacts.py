@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
+from kiln.attention.cpu_decode import KernelBuildError, PagedDecodeKernel, build_paged_decode
 from kiln.cache.store import MANIFEST, atomic_write_bytes, atomic_write_json, checksum_tree
 from kiln.compiler.capture import GraphInput
 from kiln.compiler.pieces import BucketedPiece
@@ -111,7 +112,8 @@ def load_compiled(
             pieces[sig] = piece
         heads = {int(n): _load_artifact(entry / rel) for n, rel in manifest.get("logits_heads", {}).items()}
     loaded = sum(len(p.exact) + (p.range is not None) for p in pieces.values()) + len(heads)
-    compiled = CompiledModel(module, inputs, model, pieces, dict(manifest["piece_signatures"]), heads)
+    kernel = _attention_kernel(inductor_dir, manifest.get("attention_kernel"))
+    compiled = CompiledModel(module, inputs, model, pieces, dict(manifest["piece_signatures"]), heads, kernel)
     return compiled, loaded
 
 
@@ -151,3 +153,19 @@ def inductor_settings() -> Iterator[None]:
 
 def _load_artifact(path: Path) -> Any:
     return torch._inductor.CompiledArtifact.load(path=str(path), format="binary")
+
+
+def _attention_kernel(inductor_dir: Path, name: str | None) -> PagedDecodeKernel | None:
+    """The entry's CPU decode-attention kernel, loaded; built again when it is
+    missing (a repair, which needs the C compiler, like Inductor's rebuilds).
+    None for an entry without one, or when it cannot be built: the torch path
+    then serves, slower, and a warning says so."""
+    if name is None:
+        return None
+    if not (inductor_dir / name).is_file():
+        try:
+            name = build_paged_decode(inductor_dir)  # named after today's source: an edited kernel, a new name
+        except (KernelBuildError, OSError) as e:
+            logger.warning("decode attention runs on the torch path: %s", e)
+            return None
+    return PagedDecodeKernel(inductor_dir / name)

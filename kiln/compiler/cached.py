@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from torch import nn
 from torch._inductor import config as inductor_config
 from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
+from kiln.attention.cpu_decode import KernelBuildError, PagedDecodeKernel, build_paged_decode
 from kiln.cache.keys import cache_key
 from kiln.cache.lookup import FactorMismatchError, usable_manifest
 from kiln.cache.store import (
@@ -113,6 +115,29 @@ def load_entry(
     return CompiledEntry(compiled, stats, entry, inductor_dir)
 
 
+class _AttentionKernelBuild:
+    """The CPU decode-attention kernel (``kiln.attention.cpu_decode``), built in
+    a thread while the model is traced (about 0.4 s of the C compiler, off the
+    critical path). A failed build is logged once and leaves the entry without
+    it: the torch path serves decode attention, slower."""
+
+    def __init__(self, inductor_dir: Path) -> None:
+        self.inductor_dir = inductor_dir
+        self.name: str | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-attention-kernel")
+        self._future = self._pool.submit(build_paged_decode, inductor_dir)
+
+    def result(self) -> PagedDecodeKernel | None:
+        try:
+            self.name = self._future.result()
+        except (KernelBuildError, OSError) as e:
+            logger.warning("decode attention will run on the torch path: %s", e)
+            return None
+        finally:
+            self._pool.shutdown()
+        return PagedDecodeKernel(self.inductor_dir / self.name)
+
+
 def _build_entry(
     entry: Path, key: str, model: nn.Module, config: CompilationConfig, *, max_num_tokens: int,
     device: torch.device, factors: dict[str, Any], inductor_dir: Path, header: dict[str, Any],
@@ -128,22 +153,26 @@ def _build_entry(
     single = {"compile_threads": 1} if cpu else {}
     with temporary_cache_dir(str(inductor_dir)), inductor_settings(), inductor_config.patch(single):
         warmup = ToolchainWarmup(device.type)  # ISA probe and C++ header, beside the trace
+        attention = _AttentionKernelBuild(inductor_dir) if cpu else None  # beside the trace too
         try:
             traced = trace_model(model, config, device)
             # Asked before kernels are recorded: the ISA probe's test builds are not kernels.
             toolchain = {"vec_isa": vec_isa_record() if cpu else None, "cxx": compiler_identity() if cpu else None}
             with kernel_files(inductor_dir) as kernels:
                 compiled, stats = compile_traced(
-                    traced, model, config, max_num_tokens=max_num_tokens, device=device, eager_impls=eager_impls
+                    traced, model, config, max_num_tokens=max_num_tokens, device=device, eager_impls=eager_impls,
+                    attention_kernel=attention.result() if attention else None,
                 )
         finally:
             warmup.join()
+    attention_name = attention.name if attention else None
     saved_stats = {"pieces": stats.pieces, "unique_pieces": stats.unique_pieces,
                    "inductor_compiles": stats.inductor_compiles, "phases": stats.phases,
                    "compile_seconds": stats.compile_seconds, "compile_workers": stats.compile_workers}
     save_compiled(entry, compiled, traced.pristine, {
         **header, "key": key, "factors": factors, "created": time.time(), "stats": saved_stats,
-        "toolchain": toolchain, "kernels": checksum_kernels(inductor_dir, kernels),
+        "toolchain": toolchain, "attention_kernel": attention_name,
+        "kernels": checksum_kernels(inductor_dir, kernels | ({attention_name} if attention_name else set())),
     })
     return CompiledEntry(compiled, stats, entry, inductor_dir)
 

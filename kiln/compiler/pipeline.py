@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from kiln.attention.cpu_decode import PagedDecodeKernel
 from kiln.compiler.capture import CapturedGraph, GraphInput, capture
 from kiln.compiler.gemv import (
     CPU_GEMV_MAX_TOKENS, decompose_linears, logits_head_graph, lower_quantized, packed_head_graph,
@@ -72,13 +73,17 @@ class CompiledModel:
     """Calls the split graph directly (no Dynamo, no guards) with the model's
     parameters in the order the trace recorded them. ``pieces`` maps a piece
     signature to its compiled runnables; ``piece_signatures`` maps each
-    submodule of the split graph to its signature (identical layers share one)."""
+    submodule of the split graph to its signature (identical layers share one).
+    ``attention_kernel``: the CPU decode-attention kernel built with the entry
+    (``kiln.attention.cpu_decode``), for the runner's attention backend."""
 
     def __init__(self, module: fx.GraphModule, inputs: list[GraphInput], model: nn.Module,
                  pieces: dict[str, BucketedPiece], piece_signatures: dict[str, str],
-                 logits_heads: dict[int, Callable[..., Any]] | None = None) -> None:
+                 logits_heads: dict[int, Callable[..., Any]] | None = None,
+                 attention_kernel: PagedDecodeKernel | None = None) -> None:
         self.module = module
         self.model = model
+        self.attention_kernel = attention_kernel
         # compiled LM heads by number of rows (CPU, small counts); others run eagerly
         self.logits_heads = dict(logits_heads or {})
         self.inputs = inputs
@@ -246,13 +251,15 @@ def compile_traced(
     device: torch.device,
     progress: bool | None = None,
     eager_impls: dict[str, Any] | None = None,
+    attention_kernel: PagedDecodeKernel | None = None,
 ) -> tuple[CompiledModel, CompileStats]:
     """Compile every unique compute piece of ``traced`` for token counts
     ``[1, max_num_tokens]``, with exact runnables for ``config.compile_sizes``
     (``config`` must be resolved), and the CPU LM heads.
 
     ``eager_impls`` ("ns::op" -> Python function) are called directly in the
-    attention pieces. Returns the callable and its statistics."""
+    attention pieces; ``attention_kernel`` goes with the callable. Returns the
+    callable and its statistics."""
     stats = CompileStats(dynamo_traces=1, phases=dict(traced.phases))
     t0 = time.perf_counter()
     split, captured = traced.split, traced.captured
@@ -278,6 +285,7 @@ def compile_traced(
         bind_eager_implementations(split.module, eager_impls)
     pieces = {sig: runnables for sig, (_, runnables) in unique.items()}
     signatures = {p.name: p.signature for p in split.compute_pieces}
-    compiled = CompiledModel(split.module, captured.inputs, model, pieces, signatures, logits_heads)
+    compiled = CompiledModel(split.module, captured.inputs, model, pieces, signatures, logits_heads,
+                             attention_kernel)
     return compiled, stats
 

@@ -469,6 +469,8 @@ def startup_report(config: ResolvedConfig, engine: Engine, compiled: "CompiledEn
         "packed_layers": packed_layers(engine.runner.model),
         "architecture": config.model.architecture,
         "attention_backend": engine.runner.attention_backend.name,
+        # the compiled entry's CPU decode-attention library (kiln.attention.cpu_decode), or None
+        "attention_kernel": _attention_kernel_name(engine.runner.attention_backend),
         "cudagraph_mode": mode.value,
         "cudagraph_capture_sizes": dispatcher.capture_sizes if dispatcher is not None else [],
         "cudagraphs_captured": capture.graphs,
@@ -614,3 +616,8 @@ def build_compiled(path: "str | Path", cache_root: Path, **kwargs: Any) -> tuple
     report = {"phases": phases.seconds, "total_seconds": phases.total(), "optimization_level": config.compilation.level,
               **_compile_report(compiled.stats)}
     return record, report
+
+
+def _attention_kernel_name(backend: Any) -> str | None:
+    kernel = getattr(backend, "decode_kernel", None)
+    return kernel.path.name if kernel is not None else None

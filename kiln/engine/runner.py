@@ -68,7 +68,8 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
-        self.attention_backend = attention_backend
+        # the compiled entry's CPU decode-attention kernel, when it brings one
+        self.attention_backend = attention_backend.with_decode_kernel(_attention_kernel(compiled))
         self.forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = compiled or model
         self.compute_logits = compiled.compute_logits if compiled is not None else model.compute_logits
         self.compiled = compiled
@@ -84,13 +85,15 @@ class ModelRunner:
 
     def use_compiled(self, compiled: Any) -> None:
         """Run the compiled pieces from the next step on (a background build
-        finished): the forward and the LM head are the compiled model's, over
-        the same parameters and KV cache. Only before CUDA graphs are installed."""
+        finished): the forward, the LM head and the decode-attention kernel are
+        the compiled model's, over the same parameters and KV cache. Only before
+        CUDA graphs are installed."""
         if self.dispatcher is not None:
             raise RuntimeError("the compiled pieces must be swapped in before CUDA graphs are captured")
         self.forward = compiled
         self.compute_logits = compiled.compute_logits
         self.compiled = compiled
+        self.attention_backend = self.attention_backend.with_decode_kernel(_attention_kernel(compiled))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> SamplerOutput:
@@ -200,3 +203,8 @@ class ModelRunner:
         with set_forward_context(ForwardContext(attn_metadata=None, kv_caches=self.kv_caches)):
             hidden = self.forward(self.inputs.input_ids.device[:n], self.inputs.positions.device[:n])
             self.compute_logits(hidden[: self.max_num_seqs])
+
+
+def _attention_kernel(compiled: Any) -> Any:
+    """The CPU decode-attention kernel ``compiled`` brings (CompiledModel.attention_kernel), or None."""
+    return getattr(compiled, "attention_kernel", None) if compiled is not None else None

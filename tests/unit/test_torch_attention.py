@@ -19,11 +19,12 @@ NUM_BLOCKS = 64
 KV_HEADS, GROUP, HEAD_DIM = 2, 3, 8
 
 
-def _step(q_lens: list[int], seq_lens: list[int], seed: int = 0):
+def _step(q_lens: list[int], seq_lens: list[int], seed: int = 0, kv_heads: int = KV_HEADS, group: int = GROUP,
+          head_dim: int = HEAD_DIM):
     """A random paged cache, block tables and queries for requests with these
     query and context lengths; also each request's dense K/V."""
     g = torch.Generator().manual_seed(seed)
-    kv_cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=g)
+    kv_cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim, generator=g)
     perm = torch.randperm(NUM_BLOCKS, generator=g).tolist()
     max_blocks = max(-(-n // BLOCK_SIZE) for n in seq_lens) + 2
     # Stale ids past each context, as the engine's buffers hold them.
@@ -40,30 +41,32 @@ def _step(q_lens: list[int], seq_lens: list[int], seed: int = 0):
         block_table=block_table, slot_mapping=torch.tensor(slots, dtype=torch.int64),
         query_start_loc_cpu=qsl, seq_lens_cpu=np.asarray(seq_lens, dtype=np.int32), block_size=BLOCK_SIZE,
     )
-    query = torch.randn(total, KV_HEADS * GROUP, HEAD_DIM, generator=g)
-    key = torch.randn(total, KV_HEADS, HEAD_DIM, generator=g)
-    value = torch.randn(total, KV_HEADS, HEAD_DIM, generator=g)
+    query = torch.randn(total, kv_heads * group, head_dim, generator=g)
+    key = torch.randn(total, kv_heads, head_dim, generator=g)
+    value = torch.randn(total, kv_heads, head_dim, generator=g)
     return kv_cache, common, query, key, value
 
 
 def _dense(kv_cache, common, query, window: int, scale: float) -> torch.Tensor:
     """Attention of each query over its request's context, one head at a time."""
+    kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
+    group = query.shape[1] // kv_heads
     out = torch.zeros_like(query)
     for i in range(common.num_reqs):
         start, end = int(common.query_start_loc_cpu[i]), int(common.query_start_loc_cpu[i + 1])
         n = int(common.seq_lens_cpu[i])
         slots = [int(common.block_table[i, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in range(n)]
-        k = kv_cache[0].reshape(-1, KV_HEADS, HEAD_DIM)[slots]
-        v = kv_cache[1].reshape(-1, KV_HEADS, HEAD_DIM)[slots]
+        k = kv_cache[0].reshape(-1, kv_heads, head_dim)[slots]
+        v = kv_cache[1].reshape(-1, kv_heads, head_dim)[slots]
         for t in range(start, end):
             pos = n - (end - t)
             keep = torch.arange(n) <= pos
             if window > 0:
                 keep &= torch.arange(n) > pos - window
-            for h in range(KV_HEADS * GROUP):
-                s = (k[:, h // GROUP] @ query[t, h]) * scale
+            for h in range(kv_heads * group):
+                s = (k[:, h // group] @ query[t, h]) * scale
                 s = s.masked_fill(~keep, float("-inf"))
-                out[t, h] = torch.softmax(s, 0) @ v[:, h // GROUP]
+                out[t, h] = torch.softmax(s, 0) @ v[:, h // group]
     return out
 
 
@@ -95,6 +98,49 @@ def test_a_single_decode_is_attended_alone() -> None:
     out = torch.zeros_like(query)
     backend.forward(query, key, value, out, kv_cache, meta, 0.3, 0)
     torch.testing.assert_close(out, _dense(kv_cache, common, query, 0, 0.3), atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def decode_kernel(tmp_path_factory: pytest.TempPathFactory):
+    """The C decode-attention kernel, built with this machine's compiler."""
+    from kiln.attention.cpu_decode import PagedDecodeKernel, build_paged_decode
+
+    root = tmp_path_factory.mktemp("inductor")
+    return PagedDecodeKernel(root / build_paged_decode(root))
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("kv_heads, group, head_dim", [(2, 3, 8), (3, 3, 64), (1, 4, 128), (4, 1, 16)])
+@pytest.mark.parametrize(
+    "q_lens, seq_lens",
+    [
+        ([1], [13]),  # one request: a work item per KV head
+        ([1, 1, 6, 1, 1], [12, 5, 10, 20, 2]),  # rows not contiguous (a prefill chunk between)
+        ([1] * 9, [3, 17, 9, 1, 20, 4, 5, 13, 8]),  # enough requests for all heads in one item
+    ],
+)
+def test_the_c_decode_kernel_equals_dense_attention(decode_kernel, q_lens, seq_lens, window: int, kv_heads: int,
+                                                    group: int, head_dim: int) -> None:
+    kv_cache, common, query, key, value = _step(q_lens, seq_lens, seed=2, kv_heads=kv_heads, group=group,
+                                                head_dim=head_dim)
+    backend = TorchAttentionBackend().with_decode_kernel(decode_kernel)
+    meta = backend.build_metadata(common)
+    assert meta.decode is not None and meta.decode.native is not None
+    assert decode_kernel.supports(query, kv_cache)
+    out = torch.full_like(query, float("nan"))  # every row is written: decodes by the kernel, the rest by SDPA
+    backend.forward(query, key, value, out, kv_cache, meta, 0.3, window)
+    torch.testing.assert_close(out, _dense(kv_cache, common, query, window, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_the_c_decode_kernel_leaves_other_dtypes_to_the_torch_path(decode_kernel) -> None:
+    kv_cache, common, query, key, value = _step([1, 1, 3], [6, 9, 3], seed=3)
+    kv_cache, query, key, value = (t.to(torch.bfloat16) for t in (kv_cache, query, key, value))
+    backend = TorchAttentionBackend().with_decode_kernel(decode_kernel)
+    assert not decode_kernel.supports(query, kv_cache)
+    out = torch.zeros_like(query)
+    backend.forward(query, key, value, out, kv_cache, backend.build_metadata(common), 0.3, 0)
+    reference = _dense(kv_cache.float(), common, query.float(), 0, 0.3)
+    torch.testing.assert_close(out.float(), reference, atol=3e-2, rtol=3e-2)
 
 
 def test_the_kv_cache_starts_zeroed_even_on_reused_memory() -> None:

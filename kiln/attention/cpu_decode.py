@@ -1,0 +1,151 @@
+"""A C kernel for single-query (decode) attention on CPU, read straight from the
+paged KV cache (``paged_decode.c``).
+
+The torch backend's own decode path gathers every decode request's blocks
+(``index_select`` of K and of V, a padded copy each layer) and runs SDPA over
+the copy. The kernel reads keys and values where they lie, with an online
+softmax, so nothing is copied. On the 135M shape (9 heads, 3 KV heads, head
+dim 64, 2 threads), per layer: 64 requests of ~190 tokens 3.0 ms against 5.3 ms,
+of ~510 tokens 6.5 against 17.8 ms, one request of 100 tokens 0.03 against 0.18
+ms; whole decode steps of kiln -O2 went from about 480 to 350 ms at 64 requests
+and from 44.6 to 39.1 ms at one (bench/results/attention-kernels-cpu-latest.json
+has the kernel alone, ``python -m bench.attention_kernels --native``).
+
+It is a compiled artifact like Inductor's kernels: built with the machine's C
+compiler when a CPU entry is compiled (``-march=native``: the entry's cache key
+pins the CPU's features), kept in the Inductor cache beside them, listed and
+checksummed in the entry's manifest, and copied into bundles, so a warm start
+loads it with ``ctypes`` and runs no compiler. fp32 only: other dtypes, and
+shapes past the kernel's limits, keep the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["KernelBuildError", "PagedDecodeKernel", "build_paged_decode", "library_name"]
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+SUBDIR = "kiln-native"  # under the Inductor cache the library is kept in
+MAX_QUERY_HEADS_PER_ITEM = 32  # KILN_MAX_HEADS in paged_decode.c
+MAX_HEAD_DIM = 256  # KILN_MAX_DIM
+MAX_BLOCK_SIZE = 128  # KILN_MAX_BLOCK
+
+
+class KernelBuildError(RuntimeError):
+    """The C compiler could not build the kernel (its message included)."""
+
+
+def library_name() -> str:
+    """The library's path relative to the Inductor cache: named after its
+    source and flags, so an edited kernel is built again, never confused with
+    an old one."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return f"{SUBDIR}/paged-decode-{digest}.so"
+
+
+def _compiler() -> str:
+    for candidate in (os.environ.get("CC"), "gcc", "cc", "clang"):
+        if candidate and shutil.which(candidate):
+            return candidate
+    raise KernelBuildError("no C compiler found (tried $CC, gcc, cc, clang) to build the decode-attention kernel")
+
+
+def build_paged_decode(inductor_dir: Path) -> str:
+    """Build the kernel into ``inductor_dir`` unless it is there; returns its
+    name relative to it (``library_name()``). Written to a temporary file and
+    renamed, so a concurrent reader never sees half a library."""
+    name = library_name()
+    target = inductor_dir / name
+    if target.is_file():
+        return name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    cc = _compiler()
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".paged-decode-", suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise KernelBuildError(f"{cc} failed to build {SOURCE.name} (exit {done.returncode}): "
+                                   f"{done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return name
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """What the kernel needs of a step's single-query requests, built once per
+    step on the host (every layer shares it)."""
+
+    rows: torch.Tensor  # [B] int64: each request's query row
+    block_table: torch.Tensor  # [B, stride] int32, rows contiguous
+    seq_lens: torch.Tensor  # [B] int32
+
+
+class PagedDecodeKernel:
+    """The built library, loaded; call it with a step's ``DecodeRows``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        fn = lib.kiln_paged_decode_f32
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [p, i, p, p, p, i, p, p, p, i, i, i, i, i, i, ctypes.c_float, i, i]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    def supports(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether this call can run here: fp32 CPU tensors within the limits."""
+        num_heads, num_kv_heads, head_dim, block_size = query.shape[1], kv_cache.shape[-2], query.shape[2], \
+            kv_cache.shape[2]
+        return (query.device.type == "cpu" and query.dtype == torch.float32 and kv_cache.dtype == torch.float32
+                and kv_cache.is_contiguous() and query.stride(-1) == 1 and query.stride(-2) == head_dim
+                and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_QUERY_HEADS_PER_ITEM
+                and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK_SIZE)
+
+    def __call__(self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, batch: DecodeRows,
+                 scale: float, sliding_window: int) -> None:
+        """Attend each request's query row of ``query`` ([T, H, D]) to its
+        context in ``kv_cache`` ([2, blocks, block_size, KV, D]), writing the
+        same rows of ``out``. The caller has checked ``supports``."""
+        num_b = batch.rows.shape[0]
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        key, value = kv_cache[0], kv_cache[1]
+        num_kv_heads, block_size = key.shape[2], key.shape[1]
+        rc = self._fn(query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(),
+                      batch.block_table.data_ptr(), batch.block_table.stride(0), batch.seq_lens.data_ptr(),
+                      batch.rows.data_ptr(), out.data_ptr(), out.stride(0), num_b, num_heads, num_kv_heads,
+                      head_dim, block_size, float(scale), int(sliding_window),
+                      _heads_per_item(num_b, num_heads, num_kv_heads))
+        if rc != 0:
+            raise RuntimeError(f"{self.path.name} refused heads={num_heads} kv_heads={num_kv_heads} "
+                               f"head_dim={head_dim} block_size={block_size}")
+
+
+def _heads_per_item(num_requests: int, num_heads: int, num_kv_heads: int) -> int:
+    """KV heads one work item takes: all of them (one sweep over each key row)
+    once the requests outnumber the threads twice over, else one (the heads
+    then share the threads); never more query heads than the kernel holds."""
+    group = num_heads // num_kv_heads
+    if num_requests < 2 * torch.get_num_threads():
+        return 1
+    best = 1
+    for n in range(1, num_kv_heads + 1):
+        if num_kv_heads % n == 0 and n * group <= MAX_QUERY_HEADS_PER_ITEM:
+            best = n
+    return best

@@ -1,0 +1,134 @@
+/* Single-query (decode) attention over kiln's paged KV cache, fp32, for CPUs.
+ *
+ * Built by kiln.attention.cpu_decode with the machine's C compiler (-O3
+ * -march=native -fopenmp) and called through ctypes by the torch attention
+ * backend. It reads each request's keys and values where they lie in the
+ * cache, block by block, with an online softmax, instead of gathering them
+ * into a padded copy for SDPA.
+ *
+ * Layouts (all contiguous unless a stride is given):
+ *   query, out    rows of [H, D]; row b's data at ptr + rows[b] * stride
+ *   key, value    [num_blocks, block_size, KV, D]
+ *   block_table   [B, bt_stride] int32: block ids of request b, in order
+ *   seq_lens      [B] int32: context length of request b (its keys 0..len-1)
+ * Query head h reads KV head h / (H / KV) (grouped-query attention).
+ *
+ * One work item is a request and heads_per_item KV heads: all KV heads when
+ * there are enough requests to keep the threads busy (a key row of every head
+ * is then read in one sweep), one head otherwise.
+ */
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#define KILN_MAX_HEADS 32  /* query heads of one work item (kept on the stack) */
+#define KILN_MAX_DIM 256
+#define KILN_MAX_BLOCK 128
+
+/* exp(x) for x <= 0 (a score minus its running maximum), written so that the
+   compiler vectorises it: x = n ln2 + f, exp(x) = 2^n p(f). */
+static inline float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    const float f = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * f + 1.3981999507e-3f;
+    p = p * f + 8.3334519073e-3f;
+    p = p * f + 4.1665795894e-2f;
+    p = p * f + 1.6666665459e-1f;
+    p = p * f + 5.0000001201e-1f;
+    p = p * f * f + f + 1.0f;
+    int32_t bits;
+    memcpy(&bits, &p, 4);
+    bits += ((int32_t)n) << 23;
+    memcpy(&p, &bits, 4);
+    return p;
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if ((n & 15) == 0) {  /* two accumulators: the FMA latency is not the limit */
+        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+        for (int64_t d = 0; d < n; d += 16) {
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
+        }
+        s0 = _mm256_add_ps(s0, s1);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        return _mm_cvtss_f32(h);
+    }
+#endif
+    float s = 0.f;
+    #pragma omp simd reduction(+:s)
+    for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
+    return s;
+}
+
+/* Returns 0, or -1 when the shapes exceed the limits above (nothing written). */
+int kiln_paged_decode_f32(const float *query, int64_t q_stride, const float *key, const float *value,
+                          const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
+                          const int64_t *rows, float *out, int64_t out_stride,
+                          int64_t B, int64_t H, int64_t KV, int64_t D, int64_t bs,
+                          float scale, int64_t window, int64_t heads_per_item)
+{
+    const int64_t group = KV > 0 ? H / KV : 0;
+    if (group < 1 || group * KV != H || D > KILN_MAX_DIM || bs > KILN_MAX_BLOCK || heads_per_item < 1
+        || KV % heads_per_item != 0 || heads_per_item * group > KILN_MAX_HEADS) return -1;
+    const int64_t pos_stride = KV * D, chunks = KV / heads_per_item, nq = heads_per_item * group;
+    #pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t b = 0; b < B; ++b) {
+        for (int64_t c = 0; c < chunks; ++c) {
+            const int64_t len = seq_lens[b];
+            const int64_t start = (window > 0 && len > window) ? len - window : 0;
+            const int64_t kh0 = c * heads_per_item;
+            const float *qh = query + rows[b] * q_stride + kh0 * group * D;
+            float *oh = out + rows[b] * out_stride + kh0 * group * D;
+            float qs[KILN_MAX_HEADS * KILN_MAX_DIM], acc[KILN_MAX_HEADS * KILN_MAX_DIM];
+            float m[KILN_MAX_HEADS], l[KILN_MAX_HEADS], s[KILN_MAX_HEADS][KILN_MAX_BLOCK];
+            for (int64_t i = 0; i < nq * D; ++i) { qs[i] = qh[i] * scale; acc[i] = 0.f; }
+            for (int64_t h = 0; h < nq; ++h) { m[h] = -3.0e38f; l[h] = 0.f; }
+            const int32_t *bt = block_table + b * bt_stride;
+            for (int64_t p0 = start - start % bs; p0 < len; p0 += bs) {
+                const int64_t blk = bt[p0 / bs];
+                const int64_t lo = p0 < start ? start - p0 : 0;
+                const int64_t hi = len - p0 < bs ? len - p0 : bs;
+                const float *kb = key + blk * bs * pos_stride + kh0 * D;
+                const float *vb = value + blk * bs * pos_stride + kh0 * D;
+                for (int64_t j = lo; j < hi; ++j)
+                    for (int64_t h = 0; h < nq; ++h)
+                        s[h][j] = dot(qs + h * D, kb + j * pos_stride + (h / group) * D, D);
+                for (int64_t h = 0; h < nq; ++h) {  /* online softmax: rescale what came before */
+                    float mx = m[h];
+                    for (int64_t j = lo; j < hi; ++j) mx = s[h][j] > mx ? s[h][j] : mx;
+                    float sum = 0.f;
+                    #pragma omp simd reduction(+:sum)
+                    for (int64_t j = lo; j < hi; ++j) { s[h][j] = exp_nonpos(s[h][j] - mx); sum += s[h][j]; }
+                    const float corr = exp_nonpos(m[h] - mx);
+                    l[h] = l[h] * corr + sum;
+                    m[h] = mx;
+                    float *ah = acc + h * D;
+                    #pragma omp simd
+                    for (int64_t d = 0; d < D; ++d) ah[d] *= corr;
+                }
+                for (int64_t j = lo; j < hi; ++j)
+                    for (int64_t h = 0; h < nq; ++h) {
+                        const float *v = vb + j * pos_stride + (h / group) * D;
+                        const float p = s[h][j];
+                        float *ah = acc + h * D;
+                        #pragma omp simd
+                        for (int64_t d = 0; d < D; ++d) ah[d] += p * v[d];
+                    }
+            }
+            for (int64_t h = 0; h < nq; ++h) {
+                const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+                #pragma omp simd
+                for (int64_t d = 0; d < D; ++d) oh[h * D + d] = acc[h * D + d] * inv;
+            }
+        }
+    }
+    return 0;
+}
