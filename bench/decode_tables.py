@@ -71,11 +71,12 @@ def _batch1_rows(report: dict[str, Any]) -> list[list[str]]:
     rows = []
     for k in report["kiln"]:
         if "error" in k:
-            rows.append(["kiln", k["label"], "n/a", "n/a", "n/a", "n/a", "n/a", "unavailable", "n/a"])
+            rows.append(["kiln", k["label"], "n/a", "n/a", "n/a", "n/a", "n/a", "n/a", "unavailable", "n/a"])
             continue
         match = k.get("tokens_match")
         rows.append([
-            "kiln", k["label"], fmt(k["decode_tokens_per_s"]), fmt(k["ms_per_token"]), fmt(100 * k["spread"], 0, "%"),
+            "kiln", k["label"], fmt(k["decode_tokens_per_s"]), fmt(k["ms_per_token"]),
+            fmt(k.get("prefill_tokens_per_s"), 1), fmt(100 * k["spread"], 0, "%"),
             fmt(k.get(f"speedup_vs_{REFERENCE_BASELINE}"), suffix="x"),
             fmt(k.get(f"paired_speedup_vs_{REFERENCE_BASELINE}"), suffix="x"),
             "-" if match is None else ("yes" if match else f"NO (from token {k['first_mismatch']})"),
@@ -83,11 +84,12 @@ def _batch1_rows(report: dict[str, Any]) -> list[list[str]]:
         ])
     for name, b in report["baselines"].items():
         if "error" in b:
-            rows.append([name, b["label"], "n/a", "n/a", "n/a", "-", "-", "unavailable", "n/a"])
+            rows.append([name, b["label"], "n/a", "n/a", "n/a", "n/a", "-", "-", "unavailable", "n/a"])
             continue
         ref = name == REFERENCE_BASELINE
         rows.append([name, b["label"], fmt(b["decode_tokens_per_s"]), fmt(b["ms_per_token"]),
-                     fmt(100 * b["spread"], 0, "%"), "1.00x" if ref else "-", "-",
+                     fmt(b.get("prefill_tokens_per_s"), 1), fmt(100 * b["spread"], 0, "%"),
+                     "1.00x" if ref else "-", "-",
                      "(reference)" if ref else "-", _cold_start(b)])
     return rows
 
@@ -101,11 +103,12 @@ def render_report(report: dict[str, Any]) -> str:
         f"decode excludes prefill; median of {s['repeats']} runs after a warm-up, engines taking turns"
     )
     rates = format_table(
-        ["engine", "config", "decode tok/s", "ms/token", "spread", f"kiln/{REFERENCE_BASELINE}",
+        ["engine", "config", "decode tok/s", "ms/token", "prefill tok/s", "spread", f"kiln/{REFERENCE_BASELINE}",
          "paired", "tokens match", "cold start"],
         _batch1_rows(report),
     )
-    legend = (f"spread: (best - worst) / median of an engine's runs; paired: median over rounds of "
+    legend = (f"prefill tok/s: prompt tokens / time to the first token; spread: (best - worst) / median of "
+              f"an engine's runs; paired: median over rounds of "
               f"kiln's rate / {REFERENCE_BASELINE}'s in the same round; cold start: kiln's Runtime.load "
               "into an empty compile cache (trace + compile), transformers' load (+ its torch.compile warm-up)")
     parts = [head, "", rates, legend]
