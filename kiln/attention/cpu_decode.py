@@ -58,10 +58,13 @@ def library_name() -> str:
 
 
 def _compiler() -> str:
-    for candidate in (os.environ.get("CC"), "gcc", "cc", "clang"):
+    """The C compiler: $CC, else the usual names, else the C++ compiler
+    Inductor uses ($CXX, g++), told by ``-x c`` that the source is C."""
+    for candidate in (os.environ.get("CC"), "gcc", "cc", "clang", os.environ.get("CXX"), "g++", "c++"):
         if candidate and shutil.which(candidate):
             return candidate
-    raise KernelBuildError("no C compiler found (tried $CC, gcc, cc, clang) to build the decode-attention kernel")
+    raise KernelBuildError("no C compiler found (tried $CC, gcc, cc, clang, $CXX, g++, c++) to build the "
+                           "decode-attention kernel")
 
 
 def build_paged_decode(inductor_dir: Path) -> str:
@@ -77,7 +80,8 @@ def build_paged_decode(inductor_dir: Path) -> str:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".paged-decode-", suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        done = subprocess.run([cc, *FLAGS, "-x", "c", str(SOURCE), "-x", "none", "-o", tmp, "-lm"],
+                              capture_output=True, text=True)
         if done.returncode != 0:
             raise KernelBuildError(f"{cc} failed to build {SOURCE.name} (exit {done.returncode}): "
                                    f"{done.stderr.strip()[-2000:]}")
@@ -109,12 +113,14 @@ class PagedDecodeKernel:
         fn.restype = ctypes.c_int
         self._fn = fn
 
-    def supports(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        """Whether this call can run here: fp32 CPU tensors within the limits."""
-        num_heads, num_kv_heads, head_dim, block_size = query.shape[1], kv_cache.shape[-2], query.shape[2], \
-            kv_cache.shape[2]
-        return (query.device.type == "cpu" and query.dtype == torch.float32 and kv_cache.dtype == torch.float32
-                and kv_cache.is_contiguous() and query.stride(-1) == 1 and query.stride(-2) == head_dim
+    def supports(self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> bool:
+        """Whether this call can run here: fp32 CPU tensors within the limits,
+        each row's heads side by side (rows may be strided)."""
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        num_kv_heads, block_size = kv_cache.shape[-2], kv_cache.shape[2]
+        rows_ok = all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1
+                      and t.stride(-2) == head_dim for t in (query, out))
+        return (rows_ok and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
                 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_QUERY_HEADS_PER_ITEM
                 and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK_SIZE)
 
@@ -122,7 +128,8 @@ class PagedDecodeKernel:
                  scale: float, sliding_window: int) -> None:
         """Attend each request's query row of ``query`` ([T, H, D]) to its
         context in ``kv_cache`` ([2, blocks, block_size, KV, D]), writing the
-        same rows of ``out``. The caller has checked ``supports``."""
+        same rows of ``out``. The caller has checked ``supports``; ``batch``
+        holds int64 rows and int32 block ids and lengths."""
         num_b = batch.rows.shape[0]
         num_heads, head_dim = query.shape[1], query.shape[2]
         key, value = kv_cache[0], kv_cache[1]

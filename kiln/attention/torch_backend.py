@@ -97,7 +97,7 @@ def paged_attention_torch(
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     if meta.decode is not None:
         native = meta.decode.native
-        if decode_kernel is not None and native is not None and decode_kernel.supports(query, kv_cache):
+        if decode_kernel is not None and native is not None and decode_kernel.supports(query, kv_cache, out):
             decode_kernel(query, kv_cache, out, native, scale, sliding_window)
         else:
             _decode_attention(query, key_cache, value_cache, out, meta.decode, scale, sliding_window)
@@ -179,7 +179,7 @@ def _decode_batch(common: CommonAttentionMetadata, decodes: list[int], qsl: list
         first = qsl[decodes[0]]
         rows_for_kernel = DecodeRows(
             rows=(torch.arange(first, first + len(decodes), device=device) if contiguous else rows),
-            block_table=common.block_table[index], seq_lens=lens.to(torch.int32))
+            block_table=common.block_table[index].to(torch.int32), seq_lens=lens.to(torch.int32))
     return DecodeBatch(rows=rows, blocks=blocks, seq_lens=lens, positions=positions, valid=valid,
                        native=rows_for_kernel)
 

@@ -123,11 +123,15 @@ def test_the_c_decode_kernel_equals_dense_attention(decode_kernel, q_lens, seq_l
                                                     group: int, head_dim: int) -> None:
     kv_cache, common, query, key, value = _step(q_lens, seq_lens, seed=2, kv_heads=kv_heads, group=group,
                                                 head_dim=head_dim)
+    # the query as the model hands it over: a view of the fused q/k/v projection, rows strided
+    fused = torch.zeros(query.shape[0], (kv_heads * group + 2 * kv_heads), head_dim)
+    fused[:, : kv_heads * group] = query
+    query = fused[:, : kv_heads * group]
     backend = TorchAttentionBackend().with_decode_kernel(decode_kernel)
     meta = backend.build_metadata(common)
     assert meta.decode is not None and meta.decode.native is not None
-    assert decode_kernel.supports(query, kv_cache)
     out = torch.full_like(query, float("nan"))  # every row is written: decodes by the kernel, the rest by SDPA
+    assert decode_kernel.supports(query, kv_cache, out)
     backend.forward(query, key, value, out, kv_cache, meta, 0.3, window)
     torch.testing.assert_close(out, _dense(kv_cache, common, query, window, 0.3), atol=1e-5, rtol=1e-5)
 
@@ -136,8 +140,8 @@ def test_the_c_decode_kernel_leaves_other_dtypes_to_the_torch_path(decode_kernel
     kv_cache, common, query, key, value = _step([1, 1, 3], [6, 9, 3], seed=3)
     kv_cache, query, key, value = (t.to(torch.bfloat16) for t in (kv_cache, query, key, value))
     backend = TorchAttentionBackend().with_decode_kernel(decode_kernel)
-    assert not decode_kernel.supports(query, kv_cache)
     out = torch.zeros_like(query)
+    assert not decode_kernel.supports(query, kv_cache, out)
     backend.forward(query, key, value, out, kv_cache, backend.build_metadata(common), 0.3, 0)
     reference = _dense(kv_cache.float(), common, query.float(), 0, 0.3)
     torch.testing.assert_close(out.float(), reference, atol=3e-2, rtol=3e-2)
