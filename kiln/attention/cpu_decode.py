@@ -109,7 +109,7 @@ class PagedDecodeKernel:
         lib = ctypes.CDLL(str(path))
         fn = lib.kiln_paged_decode_f32
         p, i = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [p, i, p, p, p, i, p, p, p, i, i, i, i, i, i, ctypes.c_float, i, i]
+        fn.argtypes = [p, i, p, p, p, i, p, p, p, i, i, i, i, i, i, ctypes.c_float, i, i, i]
         fn.restype = ctypes.c_int
         self._fn = fn
 
@@ -138,7 +138,7 @@ class PagedDecodeKernel:
                       batch.block_table.data_ptr(), batch.block_table.stride(0), batch.seq_lens.data_ptr(),
                       batch.rows.data_ptr(), out.data_ptr(), out.stride(0), num_b, num_heads, num_kv_heads,
                       head_dim, block_size, float(scale), int(sliding_window),
-                      _heads_per_item(num_b, num_heads, num_kv_heads))
+                      _heads_per_item(num_b, num_heads, num_kv_heads), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"{self.path.name} refused heads={num_heads} kv_heads={num_kv_heads} "
                                f"head_dim={head_dim} block_size={block_size}")

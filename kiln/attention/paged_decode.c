@@ -15,7 +15,8 @@
  *
  * One work item is a request and heads_per_item KV heads: all KV heads when
  * there are enough requests to keep the threads busy (a key row of every head
- * is then read in one sweep), one head otherwise.
+ * is then read in one sweep), one head otherwise. The items are shared among
+ * `threads` OpenMP threads.
  */
 #include <stdint.h>
 #include <string.h>
@@ -73,13 +74,15 @@ int kiln_paged_decode_f32(const float *query, int64_t q_stride, const float *key
                           const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
                           const int64_t *rows, float *out, int64_t out_stride,
                           int64_t B, int64_t H, int64_t KV, int64_t D, int64_t bs,
-                          float scale, int64_t window, int64_t heads_per_item)
+                          float scale, int64_t window, int64_t heads_per_item, int64_t threads)
 {
     const int64_t group = KV > 0 ? H / KV : 0;
     if (group < 1 || group * KV != H || D > KILN_MAX_DIM || bs > KILN_MAX_BLOCK || heads_per_item < 1
         || KV % heads_per_item != 0 || heads_per_item * group > KILN_MAX_HEADS) return -1;
     const int64_t pos_stride = KV * D, chunks = KV / heads_per_item, nq = heads_per_item * group;
-    #pragma omp parallel for collapse(2) schedule(static)
+    /* threads: torch's count, passed in; the caller's OpenMP default is not it
+       in a thread torch did not set up (an engine thread of a server) */
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(threads < 1 ? 1 : threads)
     for (int64_t b = 0; b < B; ++b) {
         for (int64_t c = 0; c < chunks; ++c) {
             const int64_t len = seq_lens[b];
