@@ -5,12 +5,12 @@ The torch backend's own decode path gathers every decode request's blocks
 (``index_select`` of K and of V, a padded copy each layer) and runs SDPA over
 the copy. The kernel reads keys and values where they lie, with an online
 softmax, so nothing is copied. One layer of the 135M shape's heads (9 query, 3
-KV, head dim 64; 2 threads): 64 requests of 192 tokens 3.5 ms against 7.1 ms,
-of 512 tokens 9.2 against 18.3 ms, one request of 128 tokens 0.056 against
-0.163 ms (bench/results/decode-attention-cpu-20261201-195303.json,
+KV, head dim 64; 2 threads): 64 requests of 192 tokens 2.5 ms against 7.3 ms,
+of 512 tokens 7.6 against 17.1 ms, one request of 128 tokens 0.033 against
+0.163 ms (bench/results/decode-attention-cpu-20261201-211354.json,
 ``python -m bench.cpu_kernels --only decode-attention``). Whole decode steps of
-kiln -O2, in one scratch A/B: about 480 against 350 ms at 64 requests, 44.6
-against 39.1 ms at one.
+kiln -O2, in one scratch A/B with the kernel's first version (3.5 ms at 64 x
+192): about 480 against 350 ms at 64 requests, 44.6 against 39.1 ms at one.
 
 It is a compiled artifact like Inductor's kernels: built with the machine's C
 compiler when a CPU entry is compiled (``-march=native``: the entry's cache key

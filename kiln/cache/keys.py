@@ -30,6 +30,8 @@ __all__ = ["cache_factors", "cache_key", "cpu_features", "diff_factors", "enviro
 # attention op they call, the compiler and what they read. The engine, the
 # attention backends or the CLI can change without invalidating every entry.
 _COMPILED_SOURCES = ("kiln.config", "kiln.forward_context", "kiln.models", "kiln.attention.op", "kiln.compiler")
+# other files compiled into an entry: (package, file) -- the CPU decode-attention kernel's C source
+_COMPILED_FILES = (("kiln.attention", "paged_decode.c"),)
 
 
 def _source_files(module_name: str) -> list[tuple[str, Path]]:
@@ -52,12 +54,20 @@ def _source_files(module_name: str) -> list[tuple[str, Path]]:
 @functools.lru_cache(maxsize=1)
 def kiln_source_hash() -> str:
     """sha256 over the kiln sources that compiled code depends on, named by
-    module (not by path: a moved install keeps its key)."""
+    module (not by path: a moved install keeps its key), and the C source of
+    the decode-attention kernel an entry carries."""
     h = hashlib.sha256()
     for name in _COMPILED_SOURCES:
         for module, path in _source_files(name):
             h.update(module.encode())
             h.update(path.read_bytes())
+    for package, file in _COMPILED_FILES:
+        spec = importlib.util.find_spec(package)
+        path = Path(next(iter(spec.submodule_search_locations or []), "")) / file if spec else Path(file)
+        if not path.is_file():
+            raise RuntimeError(f"kiln's own file {package}/{file} is missing from the installation")
+        h.update(f"{package}/{file}".encode())
+        h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 
