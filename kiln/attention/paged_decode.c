@@ -52,6 +52,15 @@ static inline float exp_nonpos(float x) {
     return p;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+static inline float hsum8(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+#endif
+
 static inline float dot(const float *a, const float *b, int64_t n) {
 #if defined(__AVX2__) && defined(__FMA__)
     if ((n & 15) == 0) {  /* two accumulators: the FMA latency is not the limit */
@@ -60,11 +69,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
             s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
             s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
         }
-        s0 = _mm256_add_ps(s0, s1);
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        return _mm_cvtss_f32(h);
+        return hsum8(_mm256_add_ps(s0, s1));
     }
 #endif
     float s = 0.f;
@@ -74,12 +79,6 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-static inline float hsum8(__m256 v) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
-}
 
 /* s[j] += q[0:64] . k_j[0:64] for rows j in [lo, hi), q held in registers
    (the loops over 8 vectors unroll fully at -O3). */
