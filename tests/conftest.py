@@ -198,8 +198,9 @@ rt = Runtime.load(sys.argv[1], **json.loads(sys.argv[2]))
 out = rt.generate(json.loads(sys.argv[3]), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
 r = rt.startup_report
 keys = ("dynamo_traces", "inductor_compiles", "artifacts_loaded", "compile_cache", "kernels_rebuilt",
-        "attention_kernel")
-print(json.dumps({"tokens": [o.token_ids for o in out], **{k: r[k] for k in keys}}))
+        "attention_kernel", "artifact_loader", "phases")
+print(json.dumps({"tokens": [o.token_ids for o in out], **{k: r[k] for k in keys},
+                  "compiler_imported": sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules)}))
 """
 
 

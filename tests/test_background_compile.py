@@ -144,8 +144,28 @@ def test_eager_first_builds_on_a_miss_and_serves_a_hit_eagerly_until_it_is_loade
     assert _wait_for(missed, ("ready", "failed")) == "ready"
     missed.close()
 
-    # This process imported the compiler already: hold the loading thread until
-    # the engine has stepped eagerly, as the imports would in a fresh process.
+    # The entry's artifacts replay without Inductor: nothing to import, so the
+    # swap comes right after the first (eager) step.
+    monkeypatch.setattr(artifacts, "warm_up", lambda: pytest.fail("a replayable entry imported the compiler"))
+    quick = Runtime.load(path, optimization_level=1, compile="eager-first", cache_dir=cache)
+    rid = quick.add_request(prompts[1], LONG)
+    quick.step()
+    assert quick.stats().execution == "eager"
+    assert _wait_for(quick, ("ready", "failed"), timeout=60) == "ready"
+    while not quick.get_output(rid).finished:
+        quick.step()
+    assert quick.stats().execution == "compiled" and quick.compiled.stats.artifact_loader == "replay"
+    assert quick.release(rid).token_ids == eager_long
+    quick.close()
+
+    # Without its replay records (as a CUDA entry has none) the load imports the
+    # compiler first. This process has imported it already: hold the loading
+    # thread until the engine has stepped eagerly, as the imports would in a
+    # fresh process.
+    (manifest_path,) = (cache / "compiled").glob("*/manifest.json")
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["replay"]
+    manifest_path.write_text(json.dumps(manifest))
     imports_done = threading.Event()
     monkeypatch.setattr(artifacts, "warm_up", lambda: imports_done.wait(60))
     rt = Runtime.load(path, optimization_level=1, compile="eager-first", cache_dir=cache)
@@ -170,5 +190,6 @@ def test_eager_first_builds_on_a_miss_and_serves_a_hit_eagerly_until_it_is_loade
     assert done["state"] == "swapped" and done["build_seconds"] is None and done["swap_pause_seconds"] > 0
     assert rt.compiled is not None and rt.compiled.stats.artifacts_loaded == 3
     assert rt.compiled.stats.inductor_compiles == 0 and rt.compiled.stats.cache == "hit"
+    assert rt.compiled.stats.artifact_loader == "inductor"
     outs = rt.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected

@@ -45,6 +45,7 @@ def test_bundle_loads_after_a_move_from_a_read_only_mount_on_a_fresh_machine(tin
         assert result["dynamo_traces"] == 0 and result["inductor_compiles"] == 0
         assert result["artifacts_loaded"] == COMPILES[level]
         assert result["attention_kernel"] is not None  # the C decode kernel travelled in the bundle
+        assert result["artifact_loader"] == "replay" and result["compiler_imported"] == []
         assert result["tokens"] == expected
         assert not log.exists(), log.read_text()
         assert not (user_cache / "compiled").exists()  # nothing compiled on the side

@@ -62,6 +62,9 @@ def test_warm_start_on_a_fresh_machine_runs_no_compiler(tiny, warm_cache, tmp_pa
     assert warm["artifacts_loaded"] == COMPILES[level]
     assert warm["tokens"] == expected
     assert not log.exists(), log.read_text()
+    # every artifact ran its exported code: no Dynamo or Inductor in the process
+    assert warm["artifact_loader"] == "replay" and warm["compiler_imported"] == []
+    assert "import_compiler" not in warm["phases"]
 
 
 def test_a_read_only_cache_loads_and_a_miss_compiles_privately(tiny, warm_cache, tmp_path) -> None:

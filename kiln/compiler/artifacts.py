@@ -5,7 +5,9 @@ one Inductor artifact per unique piece and bucket, and a manifest. The artifacts
 need Inductor's own cache (the compiled ``.so`` files on CPU, Triton binaries on
 GPU), which the caller keeps in a directory of its choosing; the manifest lists
 the kernel libraries the entry needs there, with checksums. Rebuilding needs no
-Dynamo trace, no Inductor compile and no C++ compiler (``toolchain``).
+Dynamo trace, no Inductor compile and no C++ compiler (``toolchain``). On CPU
+each artifact's code is exported too (``kiln.compiler.replay``): with every
+kernel library intact, an entry then loads without importing Inductor at all.
 """
 
 from __future__ import annotations
@@ -13,16 +15,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
 from kiln.attention.cpu_decode import KernelBuildError, PagedDecodeKernel, build_paged_decode
 from kiln.cache.store import MANIFEST, atomic_write_bytes, atomic_write_json, checksum_tree
+from kiln.compiler import replay
 from kiln.compiler.capture import GraphInput
 from kiln.compiler.pieces import BucketedPiece
 from kiln.compiler.pipeline import CompiledModel
@@ -54,9 +56,15 @@ def _save_piece(entry: Path, piece: BucketedPiece) -> dict[str, Any]:
     return info
 
 
-def save_compiled(entry: Path, compiled: CompiledModel, pristine_graph: bytes, header: dict[str, Any]) -> dict[str, Any]:
+def save_compiled(
+    entry: Path, compiled: CompiledModel, pristine_graph: bytes, header: dict[str, Any],
+    replay_from: Path | None = None,
+) -> dict[str, Any]:
     """Write ``compiled`` into the (new, private) directory ``entry``; return the
-    manifest, which is written last."""
+    manifest, which is written last. ``replay_from``: the Inductor cache the
+    artifacts were just built in, with Inductor configured as for the build;
+    each artifact that qualifies is then exported to load without Inductor
+    (``kiln.compiler.replay``), its kernel libraries among ``header["kernels"]``."""
     atomic_write_bytes(entry / GRAPH_FILE, pristine_graph)
     (entry / "artifacts").mkdir(parents=True, exist_ok=True)
     pieces = {sig: _save_piece(entry, p) for sig, p in compiled.pieces.items()}
@@ -72,20 +80,39 @@ def save_compiled(entry: Path, compiled: CompiledModel, pristine_graph: bytes, h
         "inputs": [[g.kind, g.name] for g in compiled.inputs],
         "piece_signatures": compiled.piece_signatures,
         "pieces": pieces,
-        "files": checksum_tree(entry),
     }
+    if replay_from is not None:
+        manifest["replay"] = _export_replays(entry, manifest, replay_from, set(header.get("kernels", {})))
+    manifest["files"] = checksum_tree(entry)
     atomic_write_json(entry / MANIFEST, manifest)
     return manifest
+
+
+def _export_replays(entry: Path, manifest: dict[str, Any], inductor_dir: Path, libraries: set[str]) -> dict[str, Any]:
+    """The replay record of each artifact that qualifies; the others keep
+    Inductor's loader, and so does the whole entry then (``replay.covers``)."""
+    records: dict[str, Any] = {}
+    for rel in replay.artifacts(manifest):
+        try:
+            records[rel] = replay.export(entry, rel, inductor_dir, libraries)
+        except replay.NotReplayable as e:
+            logger.info("artifact %s will load through Inductor: %s", rel, e)
+        except Exception:  # noqa: BLE001 - torch internals that moved: only the fast load is lost
+            logger.warning("could not export artifact %s to load without Inductor; this entry's warm starts "
+                           "import Inductor (seconds)", rel, exc_info=True)
+    return records
 
 
 def load_compiled(
     entry: Path, manifest: dict[str, Any], model: nn.Module, max_num_tokens: int, inductor_dir: Path,
     eager_impls: dict[str, Any] | None = None, kernels_built: bool = True,
-) -> tuple[CompiledModel, int]:
-    """Rebuild the compiled callable from ``entry``; Inductor reads (and may write)
-    its cache at ``inductor_dir``. ``kernels_built``: every kernel library the
-    entry needs is there (else Inductor rebuilds the missing ones, with the
-    compiler). Returns the callable and the artifacts loaded."""
+) -> tuple[CompiledModel, int, str]:
+    """Rebuild the compiled callable from ``entry``; its kernel libraries are in
+    ``inductor_dir``. ``kernels_built``: every kernel library the entry needs is
+    there. Then an entry whose artifacts were all exported loads them without
+    Inductor (``kiln.compiler.replay``); otherwise, or when that fails,
+    Inductor loads them (and rebuilds missing libraries, with the compiler).
+    Returns the callable, the artifacts loaded and how ("replay", "inductor")."""
     import kiln.attention.op  # noqa: F401  (the pickled graph calls torch.ops.kiln.attention)
 
     if manifest.get("format") != ENTRY_FORMAT:
@@ -93,8 +120,49 @@ def load_compiled(
     module = pickle.loads((entry / manifest["graph"]).read_bytes())
     if eager_impls:
         bind_eager_implementations(module, eager_impls)
+    loaded, how = None, "replay"
+    if kernels_built and replay.covers(manifest):
+        try:
+            loaded = _load_pieces(manifest, max_num_tokens,
+                                  lambda rel: replay.load(entry, manifest["replay"][rel], inductor_dir))
+        except Exception as e:  # noqa: BLE001 - whatever failed, Inductor's loader still can
+            logger.warning("%s: its exported code did not load (%s); Inductor loads the artifacts instead", entry, e)
+    if loaded is None:
+        loaded, how = _load_through_inductor(entry, manifest, max_num_tokens, inductor_dir, kernels_built), "inductor"
+    pieces, heads = loaded
+    count = sum(len(p.exact) + (p.range is not None) for p in pieces.values()) + len(heads)
+    kernel = _attention_kernel(inductor_dir, manifest.get("attention_kernel"))
     inputs = [GraphInput(kind, name) for kind, name in manifest["inputs"]]
+    compiled = CompiledModel(module, inputs, model, pieces, dict(manifest["piece_signatures"]), heads, kernel)
+    return compiled, count, how
+
+
+_Pieces = tuple[dict[str, BucketedPiece], dict[int, Any]]
+
+
+def _load_pieces(manifest: dict[str, Any], max_num_tokens: int, load: Callable[[str], Any]) -> _Pieces:
+    """Every piece's runnables and the LM heads, each artifact loaded by ``load``
+    from its path in the entry."""
     pieces: dict[str, BucketedPiece] = {}
+    for sig, info in manifest["pieces"].items():
+        i, dim = info["token_index"]
+        piece = BucketedPiece(sig, (i, dim), max_num_tokens, info["returns_tuple"])
+        if "range" in info:
+            piece.range = load(info["range"])
+        for n, rel in info["exact"].items():
+            piece.exact[int(n)] = load(rel)
+        pieces[sig] = piece
+    heads = {int(n): load(rel) for n, rel in manifest.get("logits_heads", {}).items()}
+    return pieces, heads
+
+
+def _load_through_inductor(entry: Path, manifest: dict[str, Any], max_num_tokens: int, inductor_dir: Path,
+                           kernels_built: bool) -> _Pieces:
+    """Inductor loads the artifacts from its cache at ``inductor_dir`` (and
+    rebuilds the kernel libraries missing there unless ``kernels_built``)."""
+    import torch._inductor.compile_fx  # noqa: F401  (seconds: ``warm_up`` may have done it already)
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
     toolchain = manifest.get("toolchain") or {}
     with (
         temporary_cache_dir(str(inductor_dir)),
@@ -102,19 +170,7 @@ def load_compiled(
         recorded_vec_isa(toolchain.get("vec_isa")),
         recorded_compiler(toolchain.get("cxx"), kernels_built=kernels_built),
     ):
-        for sig, info in manifest["pieces"].items():
-            i, dim = info["token_index"]
-            piece = BucketedPiece(sig, (i, dim), max_num_tokens, info["returns_tuple"])
-            if "range" in info:
-                piece.range = _load_artifact(entry / info["range"])
-            for n, rel in info["exact"].items():
-                piece.exact[int(n)] = _load_artifact(entry / rel)
-            pieces[sig] = piece
-        heads = {int(n): _load_artifact(entry / rel) for n, rel in manifest.get("logits_heads", {}).items()}
-    loaded = sum(len(p.exact) + (p.range is not None) for p in pieces.values()) + len(heads)
-    kernel = _attention_kernel(inductor_dir, manifest.get("attention_kernel"))
-    compiled = CompiledModel(module, inputs, model, pieces, dict(manifest["piece_signatures"]), heads, kernel)
-    return compiled, loaded
+        return _load_pieces(manifest, max_num_tokens, lambda rel: _load_artifact(entry / rel))
 
 
 def warm_up(cache_dir: Path | None = None) -> None:

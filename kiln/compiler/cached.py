@@ -28,8 +28,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._inductor import config as inductor_config
-from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
 from kiln.attention.cpu_decode import KernelBuildError, PagedDecodeKernel, build_paged_decode
 from kiln.cache.keys import cache_key
@@ -103,10 +101,11 @@ def load_entry(
         for name in damaged:
             (inductor_dir / name).unlink(missing_ok=True)
     t0 = time.perf_counter()
-    compiled, loaded = load_compiled(entry, manifest, model, max_num_tokens, inductor_dir, eager_impls,
-                                     kernels_built=not damaged)
+    compiled, loaded, how = load_compiled(entry, manifest, model, max_num_tokens, inductor_dir, eager_impls,
+                                          kernels_built=not damaged)
     stats = _stats_from_manifest(manifest, loaded, "repaired" if damaged else source)
     stats.kernels_rebuilt = len(damaged)
+    stats.artifact_loader = how
     stats.phases["load_artifacts"] = round(time.perf_counter() - t0, 4)
     if damaged and update_manifest:
         # a library Inductor did not write again (it had it in memory) keeps its old checksum
@@ -145,6 +144,9 @@ def _build_entry(
 ) -> CompiledEntry:
     """Compile into ``entry`` (the caller holds its lock); the manifest, written
     last, is what makes it valid."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
     shutil.rmtree(entry, ignore_errors=True)
     entry.mkdir(parents=True)
     cpu = device.type == "cpu"
@@ -165,15 +167,17 @@ def _build_entry(
                 )
         finally:
             warmup.join()
-    attention_name = attention.name if attention else None
-    saved_stats = {"pieces": stats.pieces, "unique_pieces": stats.unique_pieces,
-                   "inductor_compiles": stats.inductor_compiles, "phases": stats.phases,
-                   "compile_seconds": stats.compile_seconds, "compile_workers": stats.compile_workers}
-    save_compiled(entry, compiled, traced.pristine, {
-        **header, "key": key, "factors": factors, "created": time.time(), "stats": saved_stats,
-        "toolchain": toolchain, "attention_kernel": attention_name,
-        "kernels": checksum_kernels(inductor_dir, kernels | ({attention_name} if attention_name else set())),
-    })
+        attention_name = attention.name if attention else None
+        saved_stats = {"pieces": stats.pieces, "unique_pieces": stats.unique_pieces,
+                       "inductor_compiles": stats.inductor_compiles, "phases": stats.phases,
+                       "compile_seconds": stats.compile_seconds, "compile_workers": stats.compile_workers}
+        # Saved with Inductor configured as for the build: exporting the CPU artifacts'
+        # code (kiln.compiler.replay) asks it for the kernel libraries it built.
+        save_compiled(entry, compiled, traced.pristine, {
+            **header, "key": key, "factors": factors, "created": time.time(), "stats": saved_stats,
+            "toolchain": toolchain, "attention_kernel": attention_name,
+            "kernels": checksum_kernels(inductor_dir, kernels | ({attention_name} if attention_name else set())),
+        }, replay_from=inductor_dir if cpu else None)
     return CompiledEntry(compiled, stats, entry, inductor_dir)
 
 

@@ -45,6 +45,9 @@ class CompileStats:
     compile_seconds: dict[str, float] = field(default_factory=dict)
     compile_workers: int = 0  # processes that compiled side by side
     artifacts_loaded: int = 0
+    # how they were loaded: "replay" (their exported code, kiln.compiler.replay: no
+    # Inductor imported) or "inductor"; "" when this process compiled them
+    artifact_loader: str = ""
     # kernel libraries the shared Inductor cache had lost, rebuilt at load
     kernels_rebuilt: int = 0
     cache: str = "off"  # off | miss | hit | repaired | bundle | rebuilt

@@ -31,6 +31,7 @@ from kiln.cache.lookup import FactorMismatchError, loadable_without_repair
 from kiln.cache.store import private_copy, read_manifest, writable
 from kiln.checkpoint import Checkpoint, open_checkpoint
 from kiln.checkpoint.names import resolve_model_name
+from kiln.compiler.replay import covers
 from kiln.config import DEFAULT_LEVEL, CompilationConfig, CUDAGraphMode, EngineConfig, default_cache_dir
 from kiln.engine.background_compile import BackgroundCompile, BuildSpec, share_cores
 from kiln.engine.kv_cache_manager import KVCacheManager
@@ -446,8 +447,8 @@ def _compile_report(stats: "CompileStats | None") -> dict[str, Any]:
     keys = ("dynamo_traces", "inductor_compiles", "artifacts_loaded", "kernels_rebuilt", "pieces",
             "unique_pieces", "compile_seconds")
     if stats is None:
-        return {k: {} if k == "compile_seconds" else 0 for k in keys} | {"compile_cache": "off"}
-    return {k: getattr(stats, k) for k in keys} | {"compile_cache": stats.cache}
+        return {k: {} if k == "compile_seconds" else 0 for k in keys} | {"compile_cache": "off", "artifact_loader": ""}
+    return {k: getattr(stats, k) for k in keys} | {"compile_cache": stats.cache, "artifact_loader": stats.artifact_loader}
 
 
 def startup_report(config: ResolvedConfig, engine: Engine, compiled: "CompiledEntry | None", mode: CUDAGraphMode,
@@ -526,10 +527,11 @@ def _compiled_at_start(b: _Built, kwargs: dict[str, Any]) -> "tuple[CompiledEntr
         if deferred is not None:
             return None, deferred
     if b.options.compile == "blocking" or b.source.bundle is not None:
-        with b.phases("import_compiler"):  # Dynamo and Inductor: the bulk of a warm start after the weights
-            from kiln.compiler.artifacts import warm_up
+        if _needs_compiler(b):
+            with b.phases("import_compiler"):  # Dynamo and Inductor: seconds, the bulk of such a start
+                from kiln.compiler.artifacts import warm_up
 
-            warm_up(b.options.cache_dir)
+                warm_up(b.options.cache_dir)
         return compile_or_load(b.model, b.config, b.source, b.options), None
     if not eager_first:
         with b.phases("load_cached"):
@@ -538,6 +540,24 @@ def _compiled_at_start(b: _Built, kwargs: dict[str, Any]) -> "tuple[CompiledEntr
             return found, None
     with b.phases("start_background_compile"):
         return None, start_background_compile(b, kwargs)
+
+
+def _needs_compiler(b: _Built) -> bool:
+    """Whether this start imports Inductor: not when the entry it would load (the
+    bundle's, else the cache's) has all its artifacts' code exported to run
+    without it (``kiln.compiler.replay``). Decided from the manifest alone; an
+    entry that turns out damaged or foreign is rebuilt or refused as before,
+    its imports then paid inside ``load_artifacts`` or the compile."""
+    bundle = b.source.bundle
+    entry = bundle.compiled_dir if bundle is not None else (
+        b.options.cache_dir / "compiled" / cache_key(b.config.cache_factors()))
+    return not _replays(entry)
+
+
+def _replays(entry: Path) -> bool:
+    """The entry's manifest says every artifact loads without Inductor."""
+    manifest = read_manifest(entry)
+    return manifest is not None and covers(manifest)
 
 
 def deferred_load(b: _Built) -> BackgroundCompile | None:
@@ -552,7 +572,8 @@ def deferred_load(b: _Built) -> BackgroundCompile | None:
     if bundle is not None:
         try:
             if loadable_without_repair(bundle.compiled_dir, factors, bundle.inductor_dir, strict=True):
-                return _load_later(b, lambda: _load_bundle(model, config, bundle), "bundle")
+                return _load_later(b, lambda: _load_bundle(model, config, bundle), "bundle",
+                                   _replays(bundle.compiled_dir))
         except FactorMismatchError:
             if b.options.on_mismatch != "recompile":
                 raise
@@ -561,13 +582,17 @@ def deferred_load(b: _Built) -> BackgroundCompile | None:
     entry = cache_root / "compiled" / cache_key(factors)
     if not loadable_without_repair(entry, factors, cache_root / "inductor"):
         return None
-    return _load_later(b, lambda: _load_cached(model, config, cache_root, "hit"), "hit")
+    return _load_later(b, lambda: _load_cached(model, config, cache_root, "hit"), "hit", _replays(entry))
 
 
-def _load_later(b: _Built, load: "Callable[[], CompiledEntry | None]", found: str) -> BackgroundCompile:
-    _, during, _ = share_cores(b.config.device.type)  # the loading thread's imports take a core
-    return BackgroundCompile(None, load, t0=b.phases.t0, threads_while_building=during,
-                             after_swap=functools.partial(capture_graphs, config=b.config), found=found).start()
+def _load_later(b: _Built, load: "Callable[[], CompiledEntry | None]", found: str,
+                replays: bool) -> BackgroundCompile:
+    """``replays``: the entry loads without Inductor, so nothing is imported
+    first and the swap comes at the step after the first."""
+    threads, during, _ = share_cores(b.config.device.type)  # the loading thread's imports take a core
+    return BackgroundCompile(None, load, t0=b.phases.t0, threads_while_building=threads if replays else during,
+                             after_swap=functools.partial(capture_graphs, config=b.config), found=found,
+                             imports_compiler=not replays).start()
 
 
 def load_engine(path: "str | Path", **kwargs: Any) -> LoadedEngine:
