@@ -105,7 +105,8 @@ while rt.startup_report["background_compile"]["state"] not in ("ready", "swapped
     time.sleep(0.2)
 after = rt.generate([json.loads(sys.argv[3])], params)[0].token_ids
 print(json.dumps({**loaded, "first": first, "after": after, "build": rt.startup_report["background_compile"],
-                  "execution_after": rt.stats().execution}))
+                  "execution_after": rt.stats().execution, "loader": rt.compiled.stats.artifact_loader,
+                  "compiler_after": [m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules]}))
 """
 
 
@@ -125,6 +126,8 @@ def test_two_processes_on_one_empty_cache_build_once_and_both_swap(tiny, eager_l
         assert r["execution"] == "eager" and not r["dynamo"]
         assert r["first"] == eager_long and r["after"] == eager_long
         assert r["build"]["state"] == "swapped" and r["execution_after"] == "compiled"
+        # the built entry's artifacts replayed: the serving process never imported the compiler
+        assert r["loader"] == "replay" and r["compiler_after"] == []
     assert sorted(r["build"]["build_cache"] for r in results) == ["hit", "miss"]  # one compiled, one loaded
     assert sorted(r["build"]["inductor_compiles"] for r in results) == [0, 3]
     assert len(list((cache / "compiled").iterdir())) == 2  # the entry and its lock directory

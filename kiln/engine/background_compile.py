@@ -149,12 +149,12 @@ class BackgroundCompile:
 
     def __init__(self, spec: BuildSpec | None, load: Callable[[], "CompiledEntry | None"], *, t0: float,
                  threads_while_building: int, after_swap: Callable[["ModelRunner"], Any] | None = None,
-                 found: str | None = None, imports_compiler: bool = True) -> None:
+                 found: str | None = None, needs_compiler: Callable[[], bool] = lambda: True) -> None:
         self.spec = spec
         self.found = found  # without a build: where the entry is ("hit": the cache, "bundle")
-        # the load imports Dynamo and Inductor first; not for an entry whose
-        # artifacts replay without them (kiln.compiler.replay)
-        self.imports_compiler = imports_compiler
+        # asked when the entry is there: whether its load imports Dynamo and
+        # Inductor first (not when its artifacts replay without them, kiln.compiler.replay)
+        self._needs_compiler = needs_compiler
         self.threads_while_building = threads_while_building
         self.threads = spec.threads if spec is not None else torch.get_num_threads()
         self.state = "building" if spec is not None else "loading"
@@ -247,7 +247,7 @@ class BackgroundCompile:
         torch op, then waits out Python's switch interval (5 ms) to get it back:
         an eager step of hundreds of ops stalls. A short interval while the
         imports run keeps the engine's pace (IMPORT_SWITCH_INTERVAL)."""
-        if not self.imports_compiler:
+        if not self._needs_compiler():
             with self._lock:
                 self.state = "ready"
             return

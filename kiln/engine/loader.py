@@ -330,9 +330,11 @@ def start_background_compile(b: "_Built", kwargs: dict[str, Any]) -> BackgroundC
     spec = BuildSpec(b.options.path, {**_jsonable_options(kwargs), "cache_dir": str(cache_root)},
                      cache_key(config.cache_factors()), cache_root, threads=threads, workers=workers)
 
+    entry = cache_root / "compiled" / spec.key
     return BackgroundCompile(spec, lambda: _load_cached(model, config, cache_root, "background"),
                              t0=b.phases.t0, threads_while_building=during,
-                             after_swap=functools.partial(capture_graphs, config=config)).start()
+                             after_swap=functools.partial(capture_graphs, config=config),
+                             needs_compiler=lambda: not _replays(entry)).start()
 
 
 # ------------------------------------------------------------------ 6. KV cache
@@ -592,7 +594,7 @@ def _load_later(b: _Built, load: "Callable[[], CompiledEntry | None]", found: st
     threads, during, _ = share_cores(b.config.device.type)  # the loading thread's imports take a core
     return BackgroundCompile(None, load, t0=b.phases.t0, threads_while_building=threads if replays else during,
                              after_swap=functools.partial(capture_graphs, config=b.config), found=found,
-                             imports_compiler=not replays).start()
+                             needs_compiler=lambda: not replays).start()
 
 
 def load_engine(path: "str | Path", **kwargs: Any) -> LoadedEngine:
