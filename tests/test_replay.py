@@ -165,6 +165,7 @@ def test_a_plain_graph_is_exported_and_replays_its_artifact_exactly(tmp_path) ->
 @pytest.mark.parametrize(("source", "reason"), [
     ("from torch._inductor.runtime.triton_heuristics import grid\n", "imports grid"),
     ("import triton\n", "imports triton"),
+    ("from torch._inductor.codegen.memory_planning import _align\n", "imports _align from"),  # not as align
     ("from torch._inductor.select_algorithm import extern_kernels\n"
      "def call(args):\n    return extern_kernels._mm_plus_mm(*args)\n", "extern kernel _mm_plus_mm"),
     ("from torch._inductor.hooks import run_intermediate_hooks\n"

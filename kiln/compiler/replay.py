@@ -42,14 +42,17 @@ logger = logging.getLogger(__name__)
 REPLAY_FORMAT = 1
 KERNEL_LOADER = "__kiln_kernel__"  # what the exported code calls for each kernel library
 
-# Module-level imports of Inductor's CPU output code, and what stands in for each.
-_STAND_INS = {
-    ("torch._inductor.async_compile", "AsyncCompile"): None,  # its statements are rewritten
-    ("torch._inductor.select_algorithm", "extern_kernels"): "extern_kernels",
-    ("torch._inductor.codegen.memory_planning", "_align"): "align",
-    ("torch._inductor.hooks", "run_intermediate_hooks"): None,  # allowed while unused
-    ("torch._inductor.utils", "maybe_profile"): None,  # only the benchmark helper uses it
-}
+# The module-level imports from Inductor that exported code drops, as (module,
+# name, the name it is bound to): ``load`` binds stand-ins for ``extern_kernels``
+# and ``align``, the ``async_compile`` statements are rewritten, and the hooks
+# and the profiler may be imported but not used (``_check_names``).
+_DROPPED_IMPORTS = frozenset({
+    ("torch._inductor.async_compile", "AsyncCompile", "AsyncCompile"),
+    ("torch._inductor.select_algorithm", "extern_kernels", "extern_kernels"),
+    ("torch._inductor.codegen.memory_planning", "_align", "align"),
+    ("torch._inductor.hooks", "run_intermediate_hooks", "run_intermediate_hooks"),
+    ("torch._inductor.utils", "maybe_profile", "maybe_profile"),
+})
 _PLAIN_MODULES = {"torch", "math", "cmath", "random", "os", "tempfile", "ctypes"}
 _DROPPED_FUNCTIONS = {"get_args", "benchmark_compiled_module"}  # Inductor's benchmark helpers
 _ALIGN_BYTES = 64
@@ -186,8 +189,9 @@ def _check_import(stmt: ast.Import | ast.ImportFrom) -> None:
     if stmt.module in _PLAIN_MODULES:
         return
     for alias in stmt.names:
-        if (stmt.module, alias.name) not in _STAND_INS:
-            raise NotReplayable(f"imports {alias.name} from {stmt.module}")
+        if (stmt.module, alias.name, alias.asname or alias.name) not in _DROPPED_IMPORTS:
+            raise NotReplayable(f"imports {alias.name} from {stmt.module}"
+                                + (f" as {alias.asname}" if alias.asname else ""))
     if any(alias.name == "_align" for alias in stmt.names):
         from torch._inductor.codegen.memory_planning import _align
 
