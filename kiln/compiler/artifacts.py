@@ -177,11 +177,12 @@ def warm_up(cache_dir: Path | None = None) -> None:
     """The one-time work of loading a first artifact, done ahead: importing
     Inductor's compile path and knowing the hash of torch's sources (Inductor's
     own cache key, recorded under kiln's ``cache_dir``, default
-    ``kiln.config.default_cache_dir()``: ``toolchain.recorded_torch_key``). It is
-    most of a warm start (``import_compiler``, 3.8-4.3 s against 0.57-0.71 s of
-    ``load_artifacts`` for the 135M shape,
-    bench/results/startup-cpu-20261201-172725.json); a background compile does
-    it off the engine's thread."""
+    ``kiln.config.default_cache_dir()``: ``toolchain.recorded_torch_key``). Only
+    an entry that Inductor must load needs it (not one whose artifacts replay,
+    ``kiln.compiler.replay``); there it is most of a warm start
+    (``import_compiler``, 3.8-4.3 s against 0.57-0.71 s of ``load_artifacts`` for
+    the 135M shape, bench/results/startup-cpu-20261201-172725.json), and a
+    background load does it off the engine's thread."""
     import torch._inductor.compile_fx  # noqa: F401
 
     from kiln.config import default_cache_dir
