@@ -171,6 +171,7 @@ def test_a_plain_graph_is_exported_and_replays_its_artifact_exactly(tmp_path) ->
     ("from torch._inductor.hooks import run_intermediate_hooks\n"
      "def call(args):\n    run_intermediate_hooks('x', args)\n", "uses run_intermediate_hooks"),
     ("x = async_compile.triton('k', '''src''')\n", "uses async_compile"),
+    ("from torch._inductor.async_compile import AsyncCompile\nAsyncCompile.warm_pool()\n", "uses AsyncCompile"),
 ])
 def test_code_that_needs_inductor_at_run_time_is_refused(source, reason, tmp_path) -> None:
     with pytest.raises(replay.NotReplayable, match=reason):

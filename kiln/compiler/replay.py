@@ -246,7 +246,8 @@ def _check_names(module: ast.Module) -> None:
     from torch._inductor.select_algorithm import extern_kernels
 
     for node in ast.walk(module):
-        if isinstance(node, ast.Name) and node.id in ("async_compile", "run_intermediate_hooks", "maybe_profile"):
+        if isinstance(node, ast.Name) and node.id in ("async_compile", "AsyncCompile", "run_intermediate_hooks",
+                                                      "maybe_profile"):
             raise NotReplayable(f"the code uses {node.id}")
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "extern_kernels":
             if getattr(extern_kernels, node.attr, None) is not getattr(torch, node.attr, object()):
