@@ -14,7 +14,7 @@ from typing import Any
 from kiln.cache.keys import diff_factors
 from kiln.cache.store import read_manifest, verify_entry, verify_kernels
 
-__all__ = ["FactorMismatchError", "loadable_without_repair", "usable_manifest"]
+__all__ = ["FactorMismatchError", "manifest_if_loadable", "usable_manifest"]
 
 
 class FactorMismatchError(ValueError):
@@ -48,8 +48,12 @@ def usable_manifest(entry: Path, factors: dict[str, Any], strict: bool) -> tuple
     return manifest, ""
 
 
-def loadable_without_repair(entry: Path, factors: dict[str, Any], inductor_dir: Path, strict: bool = False) -> bool:
-    """True when ``entry`` is usable and every kernel library it needs is intact
-    in ``inductor_dir``: loading it then builds nothing and takes no lock."""
+def manifest_if_loadable(entry: Path, factors: dict[str, Any], inductor_dir: Path,
+                         strict: bool = False) -> dict[str, Any] | None:
+    """The manifest of ``entry`` when it is usable and every kernel library it
+    needs is intact in ``inductor_dir`` (loading it then builds nothing and
+    takes no lock), else None."""
     manifest, _ = usable_manifest(entry, factors, strict)
-    return manifest is not None and not verify_kernels(inductor_dir, manifest.get("kernels", {}))
+    if manifest is None or verify_kernels(inductor_dir, manifest.get("kernels", {})):
+        return None
+    return manifest

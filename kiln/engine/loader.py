@@ -27,7 +27,7 @@ import torch
 from kiln.attention.backend import create_attention_backend, resolve_attention_backend
 from kiln.cache.bundle import Bundle, BuildRecord, read_bundle
 from kiln.cache.keys import cache_key
-from kiln.cache.lookup import FactorMismatchError, loadable_without_repair
+from kiln.cache.lookup import FactorMismatchError, manifest_if_loadable
 from kiln.cache.store import private_copy, read_manifest, writable
 from kiln.checkpoint import Checkpoint, open_checkpoint
 from kiln.checkpoint.names import resolve_model_name
@@ -573,18 +573,19 @@ def deferred_load(b: _Built) -> BackgroundCompile | None:
     factors = config.cache_factors()
     if bundle is not None:
         try:
-            if loadable_without_repair(bundle.compiled_dir, factors, bundle.inductor_dir, strict=True):
-                return _load_later(b, lambda: _load_bundle(model, config, bundle), "bundle",
-                                   _replays(bundle.compiled_dir))
+            manifest = manifest_if_loadable(bundle.compiled_dir, factors, bundle.inductor_dir, strict=True)
+            if manifest is not None:
+                return _load_later(b, lambda: _load_bundle(model, config, bundle), "bundle", covers(manifest))
         except FactorMismatchError:
             if b.options.on_mismatch != "recompile":
                 raise
         return None
     cache_root = b.options.cache_dir
     entry = cache_root / "compiled" / cache_key(factors)
-    if not loadable_without_repair(entry, factors, cache_root / "inductor"):
+    manifest = manifest_if_loadable(entry, factors, cache_root / "inductor")
+    if manifest is None:
         return None
-    return _load_later(b, lambda: _load_cached(model, config, cache_root, "hit"), "hit", _replays(entry))
+    return _load_later(b, lambda: _load_cached(model, config, cache_root, "hit"), "hit", covers(manifest))
 
 
 def _load_later(b: _Built, load: "Callable[[], CompiledEntry | None]", found: str,
