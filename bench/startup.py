@@ -12,7 +12,9 @@ Cold compiles run as on a machine that never ran kiln or Inductor: HOME,
 TMPDIR and the Inductor and kiln caches in new empty directories.
 
 * cold: ``python -m kiln compile MODEL --out DIR``, and with ``--baseline-ref``
-  the same command from a git worktree of that commit, in the same run;
+  the same command from a git worktree of that commit, in the same run, the two
+  taking turns (``--cold-repeats`` each): seconds, and the CPU seconds of the
+  command and everything it started (the cores it kept busy);
 * warm: ``Runtime.load(bundle)`` to the first generated token, with the load's
   phases;
 * eager-first: ``Runtime.load(bundle, compile="eager-first")`` to the first
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -129,22 +132,39 @@ def _cold_compile(model: Path, level: int, root: Path, source: Path) -> dict[str
     """``python -m kiln compile`` of the kiln in ``source`` on a fresh machine:
     seconds, and the compile's own record from the bundle's manifest."""
     bundle = root / "bundle"
-    t0 = time.time()
+    t0, used = time.time(), _children_cpu_seconds()
     proc = subprocess.run([sys.executable, "-m", "kiln", "compile", str(model), "--out", str(bundle), f"-O{level}"],
                           capture_output=True, text=True, env=_fresh_env(root / "machine"), timeout=3600, cwd=source)
-    seconds = time.time() - t0
+    seconds, cpu = time.time() - t0, _children_cpu_seconds() - used
     if proc.returncode != 0:
         raise RuntimeError(f"kiln compile failed:\n{proc.stderr[-3000:]}")
     manifest = json.loads((bundle / "compiled" / "manifest.json").read_text())
-    return {"seconds": round(seconds, 2), "summary": proc.stderr.strip().splitlines()[-1],
+    return {"seconds": round(seconds, 2), "cpu_seconds": round(cpu, 2), "summary": proc.stderr.strip().splitlines()[-1],
             "stats": manifest.get("stats", {}), "bundle": str(bundle)}
 
 
-def _cold_compiles(model: Path, level: int, root: Path, source: Path, repeats: int) -> dict[str, Any]:
-    """The median of ``repeats`` cold compiles (each on its own fresh machine)."""
-    runs = [_cold_compile(model, level, root / f"run-{i}", source) for i in range(repeats)]
-    median = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
-    return {**median, "runs_seconds": [r["seconds"] for r in runs]}
+def _children_cpu_seconds() -> float:
+    """User and system CPU seconds of every finished process this one started, theirs
+    included (the compile's workers and C++ builds): on a machine whose cores a cold
+    compile keeps busy, the figure that moving work between processes cannot lower."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _cold_compiles(model: Path, level: int, root: Path, sources: list[Path], repeats: int) -> list[dict[str, Any]]:
+    """For each source tree, the median of ``repeats`` cold compiles (each on its
+    own fresh machine), the trees taking turns so that a change in the machine's
+    speed meets them alike."""
+    runs: list[list[dict[str, Any]]] = [[] for _ in sources]
+    for i in range(repeats):
+        for j, source in enumerate(sources):
+            runs[j].append(_cold_compile(model, level, root / f"tree-{j}-run-{i}", source))
+    out = []
+    for tree in runs:
+        median = sorted(tree, key=lambda r: r["seconds"])[len(tree) // 2]
+        out.append({**median, "runs_seconds": [r["seconds"] for r in tree],
+                    "runs_cpu_seconds": [r["cpu_seconds"] for r in tree]})
+    return out
 
 
 def _worktree(ref: str, dest: Path) -> Path:
@@ -207,12 +227,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = args.model or ensure_shape_model(args.shape)
     work = Path(tempfile.mkdtemp(prefix="kiln-startup-"))
     try:
-        cold = _cold_compiles(model, args.level, work / "cold", REPO, args.cold_repeats)
-        baseline = None
-        if args.baseline_ref:
-            tree = _worktree(args.baseline_ref, work / "baseline-tree")
-            baseline = _cold_compiles(model, args.level, work / "cold-baseline", tree, args.cold_repeats)
-            baseline["ref"] = args.baseline_ref
+        trees = [REPO] + ([_worktree(args.baseline_ref, work / "baseline-tree")] if args.baseline_ref else [])
+        cold, *rest = _cold_compiles(model, args.level, work / "cold", trees, args.cold_repeats)
+        baseline = {**rest[0], "ref": args.baseline_ref} if rest else None
         env = {**os.environ, "KILN_CACHE_DIR": str(work / "user-cache")}
         warm = [_first_token(cold["bundle"], {}, env) for _ in range(args.repeats)]
         eager_first = _eager_first(cold["bundle"], env, args.after_swap / 4, args.repeats)
@@ -264,14 +281,20 @@ def _summary(record: RunRecord, model: Path, args: argparse.Namespace, cold: dic
     }
 
 
+def _cpu(compiled: dict[str, Any]) -> str:
+    cpu = compiled.get("cpu_seconds")
+    return f"CPU {cpu:.1f} s ({cpu / compiled['seconds']:.2f} cores busy)" if cpu is not None else "CPU not measured"
+
+
 def render(r: dict[str, Any]) -> str:
     bg, ef = r["background"], r["eager_first"]
     cold, base = r["cold_compile"], r["cold_compile_baseline"]
     rows = [
         (f"cold: kiln compile -O{r['level']} (fresh machine)", f"{cold['seconds']:8.2f} s",
-         f"{cold['stats'].get('compile_workers', 1)} workers, {cold['stats'].get('inductor_compiles')} compiles"),
+         f"{cold['stats'].get('compile_workers', 1)} workers, {cold['stats'].get('inductor_compiles')} compiles, "
+         f"{_cpu(cold)}"),
         *([(f"cold: the same at {base['ref']}", f"{base['seconds']:8.2f} s",
-            f"ratio {r['cold_over_baseline']:.2f} (goal <= 0.5)")] if base else []),
+            f"ratio {r['cold_over_baseline']:.2f} (goal <= 0.5), {_cpu(base)}")] if base else []),
         ("warm: Runtime.load(bundle) + 1 token", f"{r['warm_load_to_first_token_seconds']:8.2f} s",
          f"goal <= 1.5 s; {r['warm_bundle_to_first_token_seconds']:.2f} s from the process's start; "
          f"artifacts loaded by {r['warm_runs'][0]['report']['artifact_loader']}, Inductor imported: "

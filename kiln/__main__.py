@@ -1,7 +1,5 @@
 """``python -m kiln``: the command line."""
 
-import sys
+from kiln.entrypoints.cli import run
 
-from kiln.entrypoints.cli import main
-
-sys.exit(main())
+run()

@@ -173,49 +173,76 @@ def checksum_kernels(inductor_dir: Path, names: set[str] | list[str]) -> dict[st
 
 
 class ToolchainWarmup:
-    """The compiler's one-time work of a cold CPU compile, done in a forked
-    process while this one traces the model: the vector ISA probe builds and
-    the precompiled C++ header (about 3 s and 7 s of g++ here), which would
-    otherwise hold up the first compilation. Both land in caches the compile
-    then finds (the probe libraries in the Inductor cache, the header under
-    $TMPDIR), each built under Inductor's own lock, so nothing is built twice
-    and nothing waits for a build that failed: the compile does it then.
+    """The compiler's one-time work of a cold CPU compile, done while this
+    process traces the model, so that the first compilations do not wait for it.
+
+    - **The vector ISA probe builds and the precompiled C++ header** (about 3-7 s
+      and 10-15 s of g++ here), each in a forked process. The header's flags
+      depend on the ISA the probe picks, so its process does not wait for the
+      probe: it builds the header for the ISA the probe picks when every probe
+      build succeeds (``_build_header``), the probe's answer wherever the
+      compiler can build for its own CPU. Both land in caches the compile then
+      finds (the probe libraries in the Inductor cache, the header under
+      $TMPDIR), each built under Inductor's own lock, so nothing is built twice
+      and nothing waits for a build that failed: the compile does it then (a
+      header for a mispredicted ISA is left unused). When one process built
+      both in turn, the header came 11 s after the first compilation had
+      started waiting for it; now it is ready as the trace ends.
+
     Elsewhere than Linux, or for a GPU, nothing runs."""
 
     def __init__(self, device_type: str) -> None:
-        self.pid: int | None = None
+        self.pids: list[int] = []
         if device_type == "cpu" and sys.platform.startswith("linux"):
-            self.pid = os.fork()
-            if self.pid == 0:
-                self._child()
-
-    @staticmethod
-    def _child() -> None:
-        status = 1
-        try:
-            vec_isa_record()
-            gm = torch.fx.symbolic_trace(_VectorizedKernel())  # builds the header on its way to one kernel
-            torch._inductor.standalone_compile(gm, [torch.zeros(256)], dynamic_shapes="from_example_inputs",
-                                               options={})
-            status = 0
-        except BaseException:  # noqa: BLE001  (the compile builds what is missing itself)
-            traceback.print_exc()
-        finally:
-            os._exit(status)
+            for work in (vec_isa_record, _build_header):
+                pid = os.fork()
+                if pid == 0:
+                    _run_and_exit(work)
+                self.pids.append(pid)
 
     def join(self) -> None:
-        if self.pid is not None:
-            _, status = os.waitpid(self.pid, 0)
+        while self.pids:
+            pid = self.pids.pop()
+            _, status = os.waitpid(pid, 0)
             if status:
-                logger.debug("the toolchain warm-up ended with status %d", status)
-            self.pid = None
+                logger.debug("a toolchain warm-up process ended with status %d", status)
 
 
-class _VectorizedKernel(torch.nn.Module):
-    """A one-line graph whose C++ kernel uses the vector ISA, as the model's do."""
+def _run_and_exit(work: Callable[[], Any]) -> None:
+    status = 1
+    try:
+        work()
+        status = 0
+    except BaseException:  # noqa: BLE001  (the compile builds what is missing itself)
+        traceback.print_exc()
+    finally:
+        os._exit(status)
 
-    def forward(self, x):  # type: ignore[no-untyped-def]  # unannotated: FX writes annotations into its code
-        return (x * 2.0 + 1.0,)
+
+def _build_header() -> None:
+    """Build one small vectorised kernel the way Inductor builds each of the
+    model's, which builds the precompiled header on its way, with Inductor's ISA
+    choice made as if every probe build succeeded. The kernel goes straight to
+    Inductor's C++ cache, without a graph to lower: the Python work of a whole
+    compilation kept the header's build waiting 8 s behind the trace. Run in a
+    forked process only: it changes Inductor's probe for the rest of the process."""
+    from torch._inductor import cpu_vec_isa
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    cpu_vec_isa.VecISA.check_build = lambda self, code: True  # type: ignore[method-assign]
+    CppPythonBindingsCodeCache.load_pybinding(["float*"], _VECTORIZED_KERNEL)
+
+
+# Like the kernels Inductor writes for the model: its C++ prelude, and the vector
+# types (which make Inductor build it for the picked ISA, with the header for that ISA).
+_VECTORIZED_KERNEL = """
+#include <torch/csrc/inductor/cpp_prefix.h>
+extern "C" void kernel(float* out_ptr0)
+{
+    auto tmp0 = at::vec::Vectorized<float>(1.0f);
+    tmp0.store(out_ptr0);
+}
+"""
 
 
 # Directories of the torch package that hold no Python sources Inductor hashes

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kiln.compiler.parallel import end_with_parent
+from kiln.quick_exit import exit_now
 
 if TYPE_CHECKING:
     from kiln.compiler.cached import CompiledEntry
@@ -363,4 +364,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # the engine waits for this process to end before it loads the entry

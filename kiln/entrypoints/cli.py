@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.config import DEFAULT_LEVEL, CUDAGraphMode
+from kiln.quick_exit import exit_now
 
 __all__ = ["main"]
 
@@ -286,13 +287,21 @@ COMMANDS = {"generate": _generate, "chat": _chat, "serve": _serve, "compile": _c
             "fetch-demo": _fetch_demo}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+# Commands whose process has nothing left to do once they return (no server, no
+# threads at work): ``run`` ends it without the interpreter's teardown.
+_DONE_WHEN_RETURNED = {"compile"}
+
+
+def main(argv: Sequence[str] | None = None, *, exit_when_done: bool = False) -> int:
+    """Run one ``kiln`` command; its exit status. With ``exit_when_done`` (the
+    console command), a command of ``_DONE_WHEN_RETURNED`` that succeeded ends
+    the process itself (``kiln.quick_exit.exit_now``)."""
     args = _parser().parse_args(argv)
     verbose = getattr(args, "verbose", False)
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
     except (ValueError, TypeError, OSError) as e:
         if verbose:
             raise
@@ -300,7 +309,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1 if isinstance(e, OSError) else 2  # 2: the input was at fault
     except KeyboardInterrupt:
         return 130
+    if exit_when_done and code == 0 and args.command in _DONE_WHEN_RETURNED:
+        exit_now(code)
+    return code
+
+
+def run() -> None:
+    """The ``kiln`` console command (and ``python -m kiln``)."""
+    sys.exit(main(exit_when_done=True))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

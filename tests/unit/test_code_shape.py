@@ -4,7 +4,7 @@ cycles, and no function in kiln/ (kernels aside) over ~60 lines.
 Layers, bottom to top (a module may import its own layer and those below):
 
     0  kiln.version, kiln.config
-    1  kiln.forward_context, kiln.progress
+    1  kiln.forward_context, kiln.progress, kiln.quick_exit
     2  kiln.attention.op                      (the op model code calls)
     3  kiln.checkpoint, kiln.models           (models read checkpoints, never the reverse)
     4  kiln.compiler, kiln.graphs, kiln.attention, kiln.cache
@@ -23,7 +23,7 @@ KILN = Path(__file__).resolve().parents[2] / "kiln"
 
 LAYERS: list[tuple[str, int]] = [  # most specific prefix first
     ("kiln.version", 0), ("kiln.config", 0),
-    ("kiln.forward_context", 1), ("kiln.progress", 1),
+    ("kiln.forward_context", 1), ("kiln.progress", 1), ("kiln.quick_exit", 1),
     ("kiln.attention.op", 2),
     ("kiln.checkpoint", 3), ("kiln.models", 3),
     ("kiln.compiler", 4), ("kiln.graphs", 4), ("kiln.attention", 4), ("kiln.cache", 4),
