@@ -223,9 +223,10 @@ def _build_header() -> None:
     """Build one small vectorised kernel the way Inductor builds each of the
     model's, which builds the precompiled header on its way, with Inductor's ISA
     choice made as if every probe build succeeded. The kernel goes straight to
-    Inductor's C++ cache, without a graph to lower: the Python work of a whole
-    compilation kept the header's build waiting 8 s behind the trace. Run in a
-    forked process only: it changes Inductor's probe for the rest of the process."""
+    Inductor's C++ cache, without a graph to lower: with one, the Python work of
+    a whole compilation (8 s beside the trace here) came before the header's
+    build. Run in a forked process only: it changes Inductor's probe for the
+    rest of the process."""
     from torch._inductor import cpu_vec_isa
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
