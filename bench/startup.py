@@ -130,7 +130,7 @@ def _first_token(target: str, kwargs: dict[str, Any], env: dict[str, str]) -> di
 
 def _cold_compile(model: Path, level: int, root: Path, source: Path) -> dict[str, Any]:
     """``python -m kiln compile`` of the kiln in ``source`` on a fresh machine:
-    seconds, and the compile's own record from the bundle's manifest."""
+    seconds, CPU seconds, and the compile's own record from the bundle's manifest."""
     bundle = root / "bundle"
     t0, used = time.time(), _children_cpu_seconds()
     proc = subprocess.run([sys.executable, "-m", "kiln", "compile", str(model), "--out", str(bundle), f"-O{level}"],
