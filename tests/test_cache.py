@@ -101,9 +101,11 @@ def test_lost_or_damaged_kernels_are_rebuilt_and_reported(tiny, tmp_path) -> Non
     assert kiln_cli(["cache", "verify", "--cache-dir", str(cache)]).returncode == 0
     victim = cache / "inductor" / sorted(kernels)[-1]
     victim.write_bytes(victim.read_bytes()[:100])  # truncated
-    again = run_child(path, load, prompts, env=fresh_env(tmp_path / "m2"))
+    # The same machine again (its precompiled C++ header kept, 10-15 s of g++ saved):
+    # the kernels live in kiln's cache, not in anything the machine keeps.
+    again = run_child(path, load, prompts, env=fresh_env(tmp_path / "m1"))
     assert again["compile_cache"] == "repaired" and again["kernels_rebuilt"] == 1 and again["tokens"] == expected
-    assert run_child(path, load, prompts, env=fresh_env(tmp_path / "m3"))["compile_cache"] == "hit"
+    assert run_child(path, load, prompts, env=fresh_env(tmp_path / "m1"))["compile_cache"] == "hit"
 
 
 def test_corrupted_artifact_is_rebuilt(tiny, tmp_path, caplog) -> None:
