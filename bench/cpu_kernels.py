@@ -1,4 +1,4 @@
-"""CPU micro-benchmarks behind five of kiln's design choices.
+"""CPU micro-benchmarks behind six of kiln's design choices.
 
 Run from the repository root::
 
@@ -6,6 +6,7 @@ Run from the repository root::
     python -m bench.cpu_kernels --only gemv
     python -m bench.cpu_kernels --only quant-kernels
     python -m bench.cpu_kernels --only decode-attention
+    python -m bench.cpu_kernels --only cpu-linear
     python -m bench.cpu_kernels --smoke            # a check of this script: few calls, one small case
 
 * ``op-overhead``: the cost per call of reaching kiln's attention op through the
@@ -38,6 +39,12 @@ Run from the repository root::
   passes the q8_0 words as int32 instead of float32 bit patterns: Inductor's
   CPU code loads integer vectors through a stack copy, which is why kiln
   stores the words float-typed. Weight copies are cycled as in ``gemv``.
+* ``cpu-linear``: the same weight shapes at 1, 2 and 4 tokens, in fp32, bf16
+  and each packed format: what few-token pieces ran before kiln's C linear
+  kernel (Inductor's reduction; ``mm`` too for fp32 and bf16) against the
+  kernel (``kiln.compiler.cpu_linear``), which each is checked against
+  (``F.linear``, on the dequantized weight for the packed formats). Weight
+  copies are cycled as in ``gemv``.
 * ``huge-pages``: the parameters of SmolLM2-135M (fp32, 540 MB) placed by
   ``kiln.models.memory.materialize`` in 4 KiB pages and in transparent huge
   pages, each in a fresh process: seconds to place and fill them (one copy, as
@@ -78,7 +85,7 @@ from bench.common.harness import time_per_call
 from bench.common.models import SMOLLM2_135M_SHAPE
 from bench.common.report import RESULTS_DIR, RunRecord, fmt, format_table, publish
 
-BENCHMARKS = ("op-overhead", "gemv", "quant-kernels", "huge-pages", "decode-attention")
+BENCHMARKS = ("op-overhead", "gemv", "quant-kernels", "cpu-linear", "huge-pages", "decode-attention")
 SMOLLM2 = SMOLLM2_135M_SHAPE  # the decode shapes measured are this model's
 HEAD_DIM = SMOLLM2["hidden_size"] // SMOLLM2["num_attention_heads"]
 # name -> [out_features, in_features] of SmolLM2-135M's linear layers
@@ -537,6 +544,104 @@ def render_decode_attention(report: dict[str, Any]) -> str:
         ["requests", "context", "torch ms", "C kernel ms", "speedup", "torch GB/s", "kernel GB/s", "max diff"], rows)
 
 
+# ---------------------------------------------------------------------------- cpu linear
+CPU_LINEAR_WEIGHTS = {k: QUANT_WEIGHTS[k] for k in ("lm_head", "gate_up", "down", "qkv")}
+
+
+def _kernel_form(kernel: Any, kind: str, x: torch.Tensor, copies: list[tuple[Any, ...]], reference: torch.Tensor,
+                 nbytes: int, repeats: int, batch_seconds: float) -> dict[str, Any]:
+    """The C kernel on ``x`` and each copy's (weight, scales, offsets) in turn."""
+    got = kernel(x, copies[0][0], copies[0][1], copies[0][2], None, kind)
+    nxt = itertools.cycle(copies)
+
+    def call() -> None:
+        w, sc, off = next(nxt)
+        kernel(x, w, sc, off, None, kind)
+
+    t = time_per_call(call, repeats=repeats, min_batch_seconds=batch_seconds)
+    return {**t, "bytes": nbytes, "copies": len(copies), "gb_per_s": nbytes / (t["median_ms"] / 1e3) / 1e9,
+            "max_abs_error": float((got.float() - reference.float()).abs().max())}
+
+
+def measure_cpu_linear_case(kernel: Any, name: str, shape: tuple[int, int], tokens: int, repeats: int,
+                            batch_seconds: float) -> dict[str, Any]:
+    """For fp32, bf16 and each packed format: what kiln ran before the C kernel
+    (Inductor's reduction, or ``mm`` for bf16) against the kernel."""
+    from kiln.models.quant import FORMATS, dequantize, pack, reduction
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(shape, generator=gen) * 0.02
+    x = torch.randn(tokens, shape[1], generator=gen)
+    rows = []
+    with torch.inference_mode():
+        for dtype, kind in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+            w, xd = weight.to(dtype), x.to(dtype)
+            nbytes = math.prod(shape) * w.element_size()
+            copies = [(c[0], None, None) for c in _copies([w], nbytes)]
+            ref = F.linear(xd.float(), w.float())
+            inductor = measure_quant_form(gemv_reduction, xd, [c[:1] for c in copies], ref.to(dtype), nbytes,
+                                          repeats, batch_seconds)
+            nxt = itertools.cycle(copies)
+            mm = time_per_call(lambda: F.linear(xd, next(nxt)[0]), repeats=repeats, min_batch_seconds=batch_seconds)
+            rows.append({"form": kind, "inductor_reduction": inductor, "mm": mm,
+                         "kernel": _kernel_form(kernel, kind, xd, copies, ref, nbytes, repeats, batch_seconds)})
+        for f, fmt_ in FORMATS.items():
+            words, scales, offsets = pack(quantized_weight(f, weight, gen), fmt_)
+            ref = x @ dequantize(words, scales, offsets, fmt_).T
+            nbytes = fmt_.nbytes(*shape)
+            copies = _copies([words, scales, offsets], nbytes)
+            inductor = measure_quant_form(lambda x, w, s, o, fmt_=fmt_: reduction(x, w, s, o, fmt_), x, copies,
+                                          ref, nbytes, repeats, batch_seconds)
+            rows.append({"form": f, "inductor_reduction": inductor,
+                         "kernel": _kernel_form(kernel, f, x, copies, ref, nbytes, repeats, batch_seconds)})
+    for r in rows:
+        r["kernel_speedup"] = r["inductor_reduction"]["median_ms"] / r["kernel"]["median_ms"]
+    return {"weight": name, "shape": list(shape), "tokens": tokens, "forms": rows}
+
+
+def cpu_linear_report(args: argparse.Namespace) -> dict[str, Any]:
+    import tempfile
+
+    from kiln.compiler import cpu_linear
+
+    record = RunRecord("cpu-linear", "cpu")
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-kernel-") as tmp:
+        kernel = cpu_linear.CpuLinearKernel(Path(tmp) / cpu_linear.SOURCE.build(Path(tmp)))
+        results = _linear_cases(args, "cpu-linear", CPU_LINEAR_WEIGHTS, GEMV_TOKENS,
+                                functools.partial(measure_cpu_linear_case, kernel))
+    return {
+        **record.head(),
+        "settings": {
+            "smoke": args.smoke, "activations": "float32 (bf16 for the bf16 form)",
+            "threads": torch.get_num_threads(), "rotation_bytes": ROTATION_BYTES,
+            "kernel": "kiln/compiler/cpu_linear.c through kiln.compiler.cpu_linear.CpuLinearKernel (ctypes)",
+            "statistic": "median over batches of the per-call time; GB/s = weight bytes (packed: "
+                         "QuantFormat.nbytes) / median time; kernel_speedup = Inductor's median / the kernel's",
+            "compile": "torch.compile(dynamic=False, fullgraph=True) of the reduction, one per form and case",
+        },
+        "results": results,
+    }
+
+
+def render_cpu_linear(report: dict[str, Any]) -> str:
+    rows = []
+    for r in report["results"]:
+        for f in r["forms"]:
+            ind, ker = f["inductor_reduction"], f["kernel"]
+            rows.append([r["weight"], "x".join(map(str, r["shape"])), str(r["tokens"]), f["form"],
+                         fmt(ind["median_ms"], 3), fmt(f["mm"]["median_ms"], 3) if "mm" in f else "-",
+                         fmt(ker["median_ms"], 3), fmt(ker["gb_per_s"], 1), fmt(f["kernel_speedup"], 2, "x"),
+                         f"{ker['max_abs_error']:.1e}"])
+    return "\n".join([
+        f"small-batch linear: Inductor's reduction (and mm) against kiln's C kernel, CPU, "
+        f"{report['settings']['threads']} threads; weights cycled through "
+        f"{report['settings']['rotation_bytes'] // 2**20} MiB of copies",
+        "",
+        format_table(["weight", "shape", "tokens", "form", "inductor ms", "mm ms", "kernel ms", "kernel GB/s",
+                      "kernel speedup", "kernel max abs err"], rows),
+    ])
+
+
 # ---------------------------------------------------------------------------- main
 
 
@@ -578,6 +683,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print()
         report = quant_kernels_report(args)
         publish(report, "quant-kernels", render_quant_kernels(report), args.out)
+    if "cpu-linear" in args.only:
+        report = cpu_linear_report(args)
+        publish(report, "cpu-linear", render_cpu_linear(report), args.out)
     if "huge-pages" in args.only:
         report = huge_pages_report(args)
         publish(report, "huge-pages", render_huge_pages(report), args.out)

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from kiln import Runtime, SamplingParams
-from tests.conftest import build_hf_model, fresh_env, kiln_cli, random_prompts, run_child, save_checkpoint
+from tests.conftest import CPU_LM_HEADS, build_hf_model, fresh_env, kiln_cli, random_prompts, run_child, save_checkpoint
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 # unique pieces x (range + exact sizes 1, 2, 4 on CPU) + the CPU LM head at each exact size
-COMPILES = {1: 3, 2: 3 * 4 + 3}
+COMPILES = {1: 3, 2: 3 * 4 + CPU_LM_HEADS}
 
 
 @pytest.fixture(scope="module", params=[1, 2])

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from kiln import SamplingParams
+from kiln import Runtime, SamplingParams
 from tests.conftest import load_eager
 from tests.conftest import build_hf_model, hf_greedy, random_prompts, save_checkpoint
 
@@ -128,3 +128,18 @@ def test_bf16_checkpoint_keeps_bf16_and_close_to_fp32(tmp_path: Path) -> None:
     assert rt32.generate(prompt, params)[0].token_ids == hf_greedy(model, prompt, 6)
     # bf16 arithmetic differs from fp32; the first greedy token is robust to it here
     assert rt16.generate(prompt, params)[0].token_ids[0] == rt32.generate(prompt, params)[0].token_ids[0]
+
+
+def test_bf16_compiled_pieces_give_the_eager_tokens(tmp_path: Path) -> None:
+    """bf16 at -O2: the few-token pieces and the LM head call the C linear kernel
+    (fp32 sums, one rounding, as the eager bf16 matrix products), at one, two
+    and three requests (the size-1 and size-2 pieces, the range)."""
+    path, model = _roundtrip_dtype(tmp_path, torch.bfloat16)
+    prompts = random_prompts(3, [9, 5, 14], model.config.vocab_size, seed=6)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    eager = [o.token_ids for o in load_eager(path).generate(prompts, params)]
+    rt = Runtime.load(path, optimization_level=2, compile_sizes=[1, 2], cache_dir=tmp_path / "cache")
+    assert rt.startup_report["dtype"] == "bfloat16"
+    assert [rt.generate([p], params)[0].token_ids for p in prompts] == eager
+    assert [o.token_ids for o in rt.generate(prompts[:2], params)] == eager[:2]
+    assert [o.token_ids for o in rt.generate(prompts, params)] == eager

@@ -25,10 +25,13 @@ STORED = {"attn_q.": QT.Q4_0, "attn_k.": QT.Q4_0, "attn_v.": QT.Q4_0, "attn_outp
 
 
 def _tokens(rt: Runtime, prompts: list[list[int]]) -> list[list[int]]:
-    """Greedy tokens of each prompt, then of all at once: alone, each decode step
-    is one token (the compiled size-1 piece and LM head, the unpacking
-    reduction); together, three (the range piece: dequantize, then linear)."""
+    """Greedy tokens of each prompt, then of two and of all at once: alone, each
+    decode step is one token (compiled: the size-1 piece's unpacking reduction,
+    and the C linear kernel as the LM head); in pairs, two (the size-2 piece
+    calls the C kernel); together, three (the range piece: dequantize, then
+    linear)."""
     alone = [rt.generate([p], GREEDY)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in rt.generate(prompts[:2], GREEDY)] == alone[:2]
     together = [o.token_ids for o in rt.generate(prompts, GREEDY)]
     assert together == alone
     return alone
@@ -53,7 +56,7 @@ def int8_case(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list
 def test_int8_equals_transformers_on_the_int8_rounded_weights(int8_case, level: int, tmp_path: Path) -> None:
     path, prompts, expected = int8_case
     rt = Runtime.load(path, optimization_level=level, quantization="int8", cache_dir=tmp_path,
-                      compile_sizes=[1])
+                      compile_sizes=[1, 2])
     assert _tokens(rt, prompts) == expected
     report = rt.startup_report
     assert report["quantization"] == "int8"
@@ -81,7 +84,7 @@ def test_gguf_blocks_kept_packed_give_the_dequantized_models_tokens(mixed_gguf: 
     assert packed.startup_report["packed_layers"] == {"q4": 2 * 4, "q8_0": 1}
     assert _tokens(packed, prompts) == dense
     compiled = Runtime.load(mixed_gguf, optimization_level=2, quantization="gguf", cache_dir=tmp_path,
-                            compile_sizes=[1])
+                            compile_sizes=[1, 2])
     assert _tokens(compiled, prompts) == dense
 
 

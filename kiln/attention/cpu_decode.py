@@ -12,84 +12,40 @@ of 512 tokens 7.6 against 17.1 ms, one request of 128 tokens 0.033 against
 kiln -O2, in one scratch A/B with the kernel's first version (3.5 ms at 64 x
 192): about 480 against 350 ms at 64 requests, 44.6 against 39.1 ms at one.
 
-It is a compiled artifact like Inductor's kernels: built with the machine's C
-compiler when a CPU entry is compiled (``-march=native``: the entry's cache key
-pins the CPU's features), kept in the Inductor cache beside them, listed and
-checksummed in the entry's manifest, and copied into bundles, so a warm start
-loads it with ``ctypes`` and runs no compiler. fp32 only: other dtypes, and
+It is a compiled artifact like Inductor's kernels (``kiln.native``): built
+when a CPU entry is compiled, kept in the Inductor cache, loaded at a warm
+start with ``ctypes``. fp32 only: other dtypes, and
 shapes past the kernel's limits, keep the torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kiln.native import KernelBuildError, NativeSource
+
 __all__ = ["KernelBuildError", "PagedDecodeKernel", "build_paged_decode", "library_name"]
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("paged_decode.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-SUBDIR = "kiln-native"  # under the Inductor cache the library is kept in
+SOURCE = NativeSource(Path(__file__).with_name("paged_decode.c"), "paged-decode")
 MAX_QUERY_HEADS_PER_ITEM = 32  # KILN_MAX_HEADS in paged_decode.c
 MAX_HEAD_DIM = 256  # KILN_MAX_DIM
 MAX_BLOCK_SIZE = 128  # KILN_MAX_BLOCK
 
 
-class KernelBuildError(RuntimeError):
-    """The C compiler could not build the kernel (its message included)."""
-
-
 def library_name() -> str:
-    """The library's path relative to the Inductor cache: named after its
-    source and flags, so an edited kernel is built again, never confused with
-    an old one."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    return f"{SUBDIR}/paged-decode-{digest}.so"
-
-
-def _compiler() -> str:
-    """The C compiler: $CC, else the usual names, else the C++ compiler
-    Inductor uses ($CXX, g++), told by ``-x c`` that the source is C."""
-    for candidate in (os.environ.get("CC"), "gcc", "cc", "clang", os.environ.get("CXX"), "g++", "c++"):
-        if candidate and shutil.which(candidate):
-            return candidate
-    raise KernelBuildError("no C compiler found (tried $CC, gcc, cc, clang, $CXX, g++, c++) to build the "
-                           "decode-attention kernel")
+    """The library's path relative to the Inductor cache (``NativeSource``)."""
+    return SOURCE.library_name()
 
 
 def build_paged_decode(inductor_dir: Path) -> str:
     """Build the kernel into ``inductor_dir`` unless it is there; returns its
-    name relative to it (``library_name()``). Written to a temporary file and
-    renamed, so a concurrent reader never sees half a library."""
-    name = library_name()
-    target = inductor_dir / name
-    if target.is_file():
-        return name
-    target.parent.mkdir(parents=True, exist_ok=True)
-    cc = _compiler()
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".paged-decode-", suffix=".so")
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, *FLAGS, "-x", "c", str(SOURCE), "-x", "none", "-o", tmp, "-lm"],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            raise KernelBuildError(f"{cc} failed to build {SOURCE.name} (exit {done.returncode}): "
-                                   f"{done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    return name
+    name relative to it."""
+    return SOURCE.build(inductor_dir)
 
 
 @dataclass(frozen=True)
@@ -113,17 +69,43 @@ class PagedDecodeKernel:
         fn.argtypes = [p, i, p, p, p, i, p, p, p, i, i, i, i, i, i, ctypes.c_float, i, i, i]
         fn.restype = ctypes.c_int
         self._fn = fn
+        write = lib.kiln_write_kv_f32
+        write.argtypes = [p, i, p, i, p, i, p, p, i, i]
+        write.restype = ctypes.c_int
+        self._write = write
 
     def supports(self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> bool:
         """Whether this call can run here: fp32 CPU tensors within the limits,
-        each row's heads side by side (rows may be strided)."""
+        each row's heads side by side (rows may be strided). Asked on every
+        layer, so written as plain comparisons (a generator over the tensors
+        cost 20 us a call)."""
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads, block_size = kv_cache.shape[-2], kv_cache.shape[2]
-        rows_ok = all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1
-                      and t.stride(-2) == head_dim for t in (query, out))
-        return (rows_ok and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
+        f32 = torch.float32
+        return (query.dtype == f32 and out.dtype == f32 and kv_cache.dtype == f32 and query.is_cpu and out.is_cpu
+                and query.stride(2) == 1 and out.stride(2) == 1 and query.stride(1) == head_dim
+                and out.stride(1) == head_dim and kv_cache.is_contiguous()
                 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_QUERY_HEADS_PER_ITEM
                 and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK_SIZE)
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> bool:
+        """Write ``key``/``value`` rows ([T, KV, D]) into ``kv_cache`` at
+        ``slots`` ([T] int64, every one a real slot) when the tensors suit the
+        kernel (fp32 CPU, heads side by side, the cache contiguous); False
+        otherwise, for the caller's torch path."""
+        kv, d = key.shape[1], key.shape[2]
+        f32 = torch.float32
+        if not (key.dtype == f32 and value.dtype == f32 and kv_cache.dtype == f32 and key.is_cpu
+                and key.stride(2) == 1 and value.stride(2) == 1 and key.stride(1) == d and value.stride(1) == d
+                and kv_cache.is_contiguous() and slots.dtype == torch.int64 and slots.is_contiguous()):
+            return False
+        num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+        half = num_slots * kv * d * kv_cache.element_size()
+        rc = self._write(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr(),
+                         key.shape[0], kv_cache.data_ptr(), kv_cache.data_ptr() + half, kv * d, num_slots)
+        if rc != 0:
+            raise IndexError(f"a KV-cache slot of {slots.tolist()} is outside the cache's {num_slots} slots")
+        return True
 
     def __call__(self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, batch: DecodeRows,
                  scale: float, sliding_window: int) -> None:
@@ -139,18 +121,20 @@ class PagedDecodeKernel:
                       batch.block_table.data_ptr(), batch.block_table.stride(0), batch.seq_lens.data_ptr(),
                       batch.rows.data_ptr(), out.data_ptr(), out.stride(0), num_b, num_heads, num_kv_heads,
                       head_dim, block_size, float(scale), int(sliding_window),
-                      _heads_per_item(num_b, num_heads, num_kv_heads), torch.get_num_threads())
+                      _heads_per_item(num_b, num_heads, num_kv_heads, torch.get_num_threads()),
+                      torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"{self.path.name} refused heads={num_heads} kv_heads={num_kv_heads} "
                                f"head_dim={head_dim} block_size={block_size}")
 
 
-def _heads_per_item(num_requests: int, num_heads: int, num_kv_heads: int) -> int:
+@functools.lru_cache(maxsize=256)
+def _heads_per_item(num_requests: int, num_heads: int, num_kv_heads: int, threads: int) -> int:
     """KV heads one work item takes: all of them (one sweep over each key row)
     once the requests outnumber the threads twice over, else one (the heads
     then share the threads); never more query heads than the kernel holds."""
     group = num_heads // num_kv_heads
-    if num_requests < 2 * torch.get_num_threads():
+    if num_requests < 2 * threads:
         return 1
     best = 1
     for n in range(1, num_kv_heads + 1):

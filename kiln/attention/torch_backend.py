@@ -237,5 +237,9 @@ class TorchAttentionBackend(AttentionBackend):
         # Only real rows: the padding beyond them never reaches the cache, so the
         # write needs no per-step check for negative slots.
         n = meta.num_actual_tokens
-        write_kv_cache(key[:n], value[:n], kv_cache, meta.slot_mapping)
-        paged_attention_torch(query[:n], kv_cache, out, meta, scale, sliding_window, self.decode_kernel)
+        if key.shape[0] != n:
+            query, key, value = query[:n], key[:n], value[:n]
+        kernel = self.decode_kernel
+        if n and not (kernel is not None and kernel.write_kv(key, value, kv_cache, meta.slot_mapping[:n])):
+            write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        paged_attention_torch(query, kv_cache, out, meta, scale, sliding_window, kernel)

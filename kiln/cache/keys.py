@@ -30,8 +30,8 @@ __all__ = ["cache_factors", "cache_key", "cpu_features", "diff_factors", "enviro
 # attention op they call, the compiler and what they read. The engine, the
 # attention backends or the CLI can change without invalidating every entry.
 _COMPILED_SOURCES = ("kiln.config", "kiln.forward_context", "kiln.models", "kiln.attention.op", "kiln.compiler")
-# other files compiled into an entry: (package, file) -- the CPU decode-attention kernel's C source
-_COMPILED_FILES = (("kiln.attention", "paged_decode.c"),)
+# other files compiled into an entry: (package, file) -- the C sources of kiln's CPU kernels
+_COMPILED_FILES = (("kiln.attention", "paged_decode.c"), ("kiln.compiler", "cpu_linear.c"))
 
 
 def _source_files(module_name: str) -> list[tuple[str, Path]]:

@@ -24,7 +24,7 @@ from torch import nn
 
 from kiln.attention.cpu_decode import KernelBuildError, PagedDecodeKernel, build_paged_decode
 from kiln.cache.store import MANIFEST, atomic_write_bytes, atomic_write_json, checksum_tree
-from kiln.compiler import replay
+from kiln.compiler import cpu_linear, replay
 from kiln.compiler.capture import GraphInput
 from kiln.compiler.pieces import BucketedPiece
 from kiln.compiler.pipeline import CompiledModel
@@ -132,8 +132,9 @@ def load_compiled(
     pieces, heads = loaded
     count = sum(len(p.exact) + (p.range is not None) for p in pieces.values()) + len(heads)
     kernel = _attention_kernel(inductor_dir, manifest.get("attention_kernel"))
+    linear = _linear_kernel(inductor_dir, manifest.get("linear_kernel"))
     inputs = [GraphInput(kind, name) for kind, name in manifest["inputs"]]
-    compiled = CompiledModel(module, inputs, model, pieces, dict(manifest["piece_signatures"]), heads, kernel)
+    compiled = CompiledModel(module, inputs, model, pieces, dict(manifest["piece_signatures"]), heads, kernel, linear)
     return compiled, count, how
 
 
@@ -226,3 +227,18 @@ def _attention_kernel(inductor_dir: Path, name: str | None) -> PagedDecodeKernel
             logger.warning("decode attention runs on the torch path: %s", e)
             return None
     return PagedDecodeKernel(inductor_dir / name)
+
+
+def _linear_kernel(inductor_dir: Path, name: str | None) -> cpu_linear.CpuLinearKernel | None:
+    """The entry's small-batch linear kernel, loaded as the op's implementation;
+    built again when it is missing (a repair). Unlike the attention kernel it
+    is not optional: the entry's few-token pieces call it, so an entry that
+    lists it cannot run without it."""
+    if name is None:
+        return None
+    if not (inductor_dir / name).is_file():
+        rebuilt = cpu_linear.SOURCE.build(inductor_dir)  # raises KernelBuildError, naming the compiler's message
+        if rebuilt != name:
+            raise KernelBuildError(f"the entry's linear kernel {name} is missing, and today's source builds "
+                                   f"{rebuilt}, a different one")
+    return cpu_linear.load(inductor_dir / name)

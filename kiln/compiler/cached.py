@@ -40,6 +40,7 @@ from kiln.cache.store import (
     verify_kernels,
     writable,
 )
+from kiln.compiler import cpu_linear
 from kiln.compiler.artifacts import inductor_settings, load_compiled, save_compiled
 from kiln.compiler.pipeline import CompiledModel, CompileStats, compile_traced, trace_model
 from kiln.compiler.toolchain import ToolchainWarmup, checksum_kernels, compiler_identity, kernel_files, vec_isa_record
@@ -114,27 +115,39 @@ def load_entry(
     return CompiledEntry(compiled, stats, entry, inductor_dir)
 
 
-class _AttentionKernelBuild:
-    """The CPU decode-attention kernel (``kiln.attention.cpu_decode``), built in
-    a thread while the model is traced (about 0.4 s of the C compiler, off the
-    critical path). A failed build is logged once and leaves the entry without
-    it: the torch path serves decode attention, slower."""
+class _NativeBuilds:
+    """kiln's C kernels for a CPU entry, built in a thread while the model is
+    traced (under a second each of the C compiler, off the critical path): the
+    decode-attention kernel (``kiln.attention.cpu_decode``) and the
+    small-batch linear kernel (``kiln.compiler.cpu_linear``). A failed build
+    is logged once and leaves the entry without that kernel: the torch path
+    serves decode attention, and the few-token pieces keep Inductor's
+    reductions, slower."""
 
     def __init__(self, inductor_dir: Path) -> None:
         self.inductor_dir = inductor_dir
-        self.name: str | None = None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-attention-kernel")
-        self._future = self._pool.submit(build_paged_decode, inductor_dir)
+        self.names: dict[str, str | None] = {"attention_kernel": None, "linear_kernel": None}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-native-build")
+        self._attention = self._pool.submit(build_paged_decode, inductor_dir)
+        self._linear = self._pool.submit(cpu_linear.SOURCE.build, inductor_dir)
 
-    def result(self) -> PagedDecodeKernel | None:
+    def attention(self) -> PagedDecodeKernel | None:
+        name = self._wait(self._attention, "attention_kernel", "decode attention will run on the torch path")
+        return PagedDecodeKernel(self.inductor_dir / name) if name else None
+
+    def linear(self) -> cpu_linear.CpuLinearKernel | None:
+        name = self._wait(self._linear, "linear_kernel", "few-token linears will run as Inductor's reductions")
+        return cpu_linear.load(self.inductor_dir / name) if name else None
+
+    def _wait(self, future: Any, field: str, fallback: str) -> str | None:
         try:
-            self.name = self._future.result()
+            self.names[field] = future.result()
         except (KernelBuildError, OSError) as e:
-            logger.warning("decode attention will run on the torch path: %s", e)
-            return None
-        finally:
-            self._pool.shutdown()
-        return PagedDecodeKernel(self.inductor_dir / self.name)
+            logger.warning("%s: %s", fallback, e)
+        return self.names[field]
+
+    def close(self) -> None:
+        self._pool.shutdown()
 
 
 def _build_entry(
@@ -155,7 +168,7 @@ def _build_entry(
     single = {"compile_threads": 1} if cpu else {}
     with temporary_cache_dir(str(inductor_dir)), inductor_settings(), inductor_config.patch(single):
         warmup = ToolchainWarmup(device.type)  # ISA probe and C++ header, beside the trace
-        attention = _AttentionKernelBuild(inductor_dir) if cpu else None  # beside the trace too
+        native = _NativeBuilds(inductor_dir) if cpu else None  # beside the trace too
         try:
             traced = trace_model(model, config, device)
             # Asked before kernels are recorded: the ISA probe's test builds are not kernels.
@@ -163,11 +176,14 @@ def _build_entry(
             with kernel_files(inductor_dir) as kernels:
                 compiled, stats = compile_traced(
                     traced, model, config, max_num_tokens=max_num_tokens, device=device, eager_impls=eager_impls,
-                    attention_kernel=attention.result() if attention else None,
+                    attention_kernel=native.attention() if native else None,
+                    linear_kernel=native.linear() if native else None,
                 )
         finally:
             warmup.join()
-        attention_name = attention.name if attention else None
+            if native:
+                native.close()
+        libraries = native.names if native else {}
         saved_stats = {"pieces": stats.pieces, "unique_pieces": stats.unique_pieces,
                        "inductor_compiles": stats.inductor_compiles, "phases": stats.phases,
                        "compile_seconds": stats.compile_seconds, "compile_workers": stats.compile_workers}
@@ -175,8 +191,8 @@ def _build_entry(
         # code (kiln.compiler.replay) asks it for the kernel libraries it built.
         save_compiled(entry, compiled, traced.pristine, {
             **header, "key": key, "factors": factors, "created": time.time(), "stats": saved_stats,
-            "toolchain": toolchain, "attention_kernel": attention_name,
-            "kernels": checksum_kernels(inductor_dir, kernels | ({attention_name} if attention_name else set())),
+            "toolchain": toolchain, **libraries,
+            "kernels": checksum_kernels(inductor_dir, kernels | {n for n in libraries.values() if n}),
         }, replay_from=inductor_dir if cpu else None)
     return CompiledEntry(compiled, stats, entry, inductor_dir)
 

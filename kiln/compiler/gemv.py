@@ -8,9 +8,13 @@ it (per weight shape of a 135M model, 2 threads:
 bench/results/gemv-cpu-latest.json). So exact-size pieces at small token counts have their
 ``linear`` calls rewritten into that form before Inductor sees them.
 The range runnable and larger sizes keep ``mm``, which wins once several rows
-share each weight load. The LM head, the largest matrix of a small model, runs
-outside the traced graph; ``logits_head_graph`` is its reduction form, compiled
-per number of sampled rows.
+share each weight load. Where kiln's C linear kernel is built
+(``kiln.compiler.cpu_linear``: AVX2 and FMA), the few-token pieces call it for
+the linears it does better (bf16 at any count, every dtype from two tokens
+on: Inductor's reduction runs the rows of a 2- or 4-token piece one after
+another), and it is the LM head, the largest matrix of a small model, which
+runs outside the traced graph. Without the kernel, ``logits_head_graph`` is the
+head's reduction form, compiled per number of sampled rows.
 
 Packed (quantized) linears reach the compiler as ``kiln::quantized_linear`` ops
 (``kiln.models.quant``). ``lower_quantized`` writes each as plain torch code
@@ -27,6 +31,7 @@ import torch
 from torch import fx
 from torch.fx.proxy import GraphAppendingTracer
 
+from kiln.compiler.cpu_linear import cpu_linear, dense_kind, takes_piece_linear
 from kiln.models.quant import FORMATS, QuantFormat, packed_linear, quantized_linear
 
 __all__ = ["CPU_GEMV_MAX_TOKENS", "decompose_linears", "logits_head_graph", "lower_quantized", "packed_head_graph"]
@@ -37,33 +42,89 @@ __all__ = ["CPU_GEMV_MAX_TOKENS", "decompose_linears", "logits_head_graph", "low
 CPU_GEMV_MAX_TOKENS = 4
 
 
-def decompose_linears(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
-    """A copy of ``gm`` whose ``linear(x, w, b)`` calls are written as
-    ``(x.unsqueeze(-2) * w).sum(-1) + b`` and whose packed linears as their
-    unpacking reduction, and how many were rewritten. ``gm`` itself is left as
-    it is. The rewrite uses plain torch calls, not a helper function, so that
-    Inductor's caches can still serialise the piece."""
+def decompose_linears(gm: fx.GraphModule, native_tokens: int | None = None) -> tuple[fx.GraphModule, int]:
+    """A copy of ``gm`` whose linears are written for few-token CPU pieces, and
+    how many were rewritten. ``native_tokens``: the piece's token count, when
+    the C kernel is there: linears become its calls (``kiln::cpu_linear``)
+    where it takes their dtypes at that count
+    (``cpu_linear.takes_piece_linear``), the rest as below;
+    otherwise ``linear(x, w, b)`` as ``(x.unsqueeze(-2) * w).sum(-1) + b`` and
+    packed linears as their unpacking reduction. ``gm`` itself is left as it
+    is. The rewrite uses plain torch calls and ops, not a helper function, so
+    that Inductor's caches can still serialise the piece."""
     graph = copy.deepcopy(gm.graph)  # node by node; metadata is shared, not copied
-    rewritten = _lower_quantized_nodes(graph, as_reduction=True)
+    rewritten = _native_linears(graph, native_tokens) if native_tokens else 0
+    rewritten += _lower_quantized_nodes(graph, as_reduction=True)
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in (torch._C._nn.linear, torch.nn.functional.linear):
+        if not _is_dense_linear(node):
             continue
-        args = list(node.args) + [None] * (3 - len(node.args))
-        x, weight, bias = args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
+        x, weight, bias = _linear_args(node)
         with graph.inserting_before(node):
             rows = graph.call_function(torch.unsqueeze, (x, -2))
             product = graph.call_function(torch.mul, (rows, weight))
             result = graph.call_function(torch.sum, (product, -1))
             if bias is not None:
                 result = graph.call_function(torch.add, (result, bias))
-        # Same value as the linear's: later method calls on it stay cacheable.
-        result.meta.update({k: v for k, v in node.meta.items() if k == "example_value"})
-        node.replace_all_uses_with(result)
-        graph.erase_node(node)
+        _replace(graph, node, result)
         rewritten += 1
     new = fx.GraphModule(gm, graph)
     new.recompile()
     return new, rewritten
+
+
+def _is_dense_linear(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (torch._C._nn.linear, torch.nn.functional.linear)
+
+
+def _linear_args(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None]:
+    args = list(node.args) + [None] * (3 - len(node.args))
+    return args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
+
+
+def _replace(graph: fx.Graph, node: fx.Node, result: fx.Node) -> None:
+    # Same value as the old node's: later method calls on it stay cacheable.
+    result.meta.update({k: v for k, v in node.meta.items() if k == "example_value"})
+    node.replace_all_uses_with(result)
+    graph.erase_node(node)
+
+
+def _dtype(node: object) -> torch.dtype | None:
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def _native_linears(graph: fx.Graph, tokens: int) -> int:
+    """Replace the dense and packed linears the C kernel takes at ``tokens``
+    rows by ``kiln::cpu_linear`` calls; returns how many."""
+    count = 0
+    for node in list(graph.nodes):
+        args = _native_args(node, tokens)
+        if args is None:
+            continue
+        with graph.inserting_before(node):
+            result = graph.call_function(cpu_linear, args)
+        _replace(graph, node, result)
+        count += 1
+    return count
+
+
+def _native_args(node: fx.Node, tokens: int) -> tuple[object, ...] | None:
+    """The op's arguments ``(x, weight, scales, offsets, bias, kind)`` for a
+    linear node the kernel takes, else None."""
+    if _is_dense_linear(node):
+        x, weight, bias = _linear_args(node)
+        kind = dense_kind(_dtype(x), _dtype(weight)) if _dtype(x) else None
+        args: tuple[object, ...] = (x, weight, None, None, bias, kind)
+    elif _is_packed_linear(node):
+        x, words, scales, offsets, bias, kind = node.args
+        if _dtype(x) not in (torch.float32, torch.bfloat16):
+            return None
+        args = (x, words, scales, offsets, bias, kind)
+    else:
+        return None
+    if kind is None or not takes_piece_linear(kind, tokens) or (bias is not None and _dtype(bias) != _dtype(x)):
+        return None
+    return args
 
 
 def lower_quantized(gm: fx.GraphModule) -> fx.GraphModule:
@@ -96,10 +157,7 @@ def _lower_quantized_nodes(graph: fx.Graph, as_reduction: bool) -> int:
         shape = tuple(words.meta["example_value"].shape[:2])
         proxy = [fx.Proxy(n, tracer) if isinstance(n, fx.Node) else None for n in (x, words, scales, offsets, bias)]
         with graph.inserting_before(node):
-            result = packed_linear(*proxy, fmt, as_reduction=as_reduction, shape=shape, dtype=dtype).node
-        result.meta.update({k: v for k, v in node.meta.items() if k == "example_value"})
-        node.replace_all_uses_with(result)
-        graph.erase_node(node)
+            _replace(graph, node, packed_linear(*proxy, fmt, as_reduction=as_reduction, shape=shape, dtype=dtype).node)
         lowered += 1
     return lowered
 

@@ -19,6 +19,7 @@ from torch import fx, nn
 
 from kiln.attention.cpu_decode import PagedDecodeKernel
 from kiln.compiler.capture import CapturedGraph, GraphInput, capture
+from kiln.compiler.cpu_linear import DENSE_KINDS, CpuLinearKernel, dense_kind
 from kiln.compiler.gemv import (
     CPU_GEMV_MAX_TOKENS, decompose_linears, logits_head_graph, lower_quantized, packed_head_graph,
 )
@@ -27,6 +28,7 @@ from kiln.compiler.pieces import BucketedPiece, inductor_compile, token_arg
 from kiln.compiler.split import Piece, SplitGraph, bind_eager_implementations, pickle_for_entry, split_graph
 from kiln.config import CompilationConfig
 from kiln.forward_context import ForwardContext, set_forward_context
+from kiln.models.quant import QuantFormat
 from kiln.progress import Progress
 
 __all__ = ["ArgumentBinder", "CompileStats", "CompiledModel", "TracedModel", "compile_traced", "trace_model"]
@@ -78,15 +80,19 @@ class CompiledModel:
     signature to its compiled runnables; ``piece_signatures`` maps each
     submodule of the split graph to its signature (identical layers share one).
     ``attention_kernel``: the CPU decode-attention kernel built with the entry
-    (``kiln.attention.cpu_decode``), for the runner's attention backend."""
+    (``kiln.attention.cpu_decode``), for the runner's attention backend;
+    ``linear_kernel``: the small-batch linear kernel its few-token pieces call
+    (``kiln.compiler.cpu_linear``), which also serves the LM head."""
 
     def __init__(self, module: fx.GraphModule, inputs: list[GraphInput], model: nn.Module,
                  pieces: dict[str, BucketedPiece], piece_signatures: dict[str, str],
                  logits_heads: dict[int, Callable[..., Any]] | None = None,
-                 attention_kernel: PagedDecodeKernel | None = None) -> None:
+                 attention_kernel: PagedDecodeKernel | None = None,
+                 linear_kernel: CpuLinearKernel | None = None) -> None:
         self.module = module
         self.model = model
         self.attention_kernel = attention_kernel
+        self.linear_kernel = linear_kernel
         # compiled LM heads by number of rows (CPU, small counts); others run eagerly
         self.logits_heads = dict(logits_heads or {})
         self.inputs = inputs
@@ -109,6 +115,9 @@ class CompiledModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         tensors, fmt = self.model.logits_inputs()
+        native = self._native_head(hidden, tensors, fmt)
+        if native is not None:
+            return native
         head = self.logits_heads.get(hidden.shape[0])
         if head is not None:
             return head(hidden, *tensors)[0]
@@ -124,6 +133,25 @@ class CompiledModel:
             padded = F.pad(rows, (0, 0, 0, size - rows.shape[0]))
             out.append(self.logits_heads[size](padded, *tensors)[0][: rows.shape[0]])
         return torch.cat(out)
+
+
+    def _native_head(self, hidden: torch.Tensor, tensors: list[torch.Tensor], fmt: QuantFormat | None,
+                     ) -> torch.Tensor | None:
+        """The logits by the C kernel, for a few rows (a dense head) or any
+        number of them (a packed head, which ``linear`` would dequantize
+        whole); None where it does not apply."""
+        kernel = self.linear_kernel
+        if kernel is None or hidden.device.type != "cpu":
+            return None
+        if fmt is not None:
+            words, scales, *offsets = tensors
+            if hidden.dtype in DENSE_KINDS:
+                return kernel(hidden, words, scales, offsets[0] if offsets else None, None, fmt.name)
+            return None
+        kind = dense_kind(hidden.dtype, tensors[0].dtype)
+        if kind is None or hidden.shape[0] > CPU_GEMV_MAX_TOKENS:
+            return None
+        return kernel(hidden, tensors[0], None, None, None, kind)
 
 
 def _record_piece_inputs(split: SplitGraph, args: list[Any], wanted: set[str]) -> dict[str, list[Any]]:
@@ -163,10 +191,11 @@ Install = Callable[[Any], None]  # puts a job's compiled artifact where the mode
 
 def _piece_jobs(
     split: SplitGraph, unique: dict[str, tuple[Piece, BucketedPiece]], example_args: Callable[[int], list[Any]],
-    sizes: list[int], max_num_tokens: int, device: torch.device,
+    sizes: list[int], max_num_tokens: int, device: torch.device, native: bool,
 ) -> list[tuple[CompileJob, Install]]:
     """Each unique piece for the range, then for each exact size (with example
-    inputs recorded from an eager run of that size)."""
+    inputs recorded from an eager run of that size); ``native``: the few-token
+    CPU pieces call the C linear kernel."""
     index_of = {sig: i for i, sig in enumerate(unique)}
     jobs: list[tuple[CompileJob, Install]] = []
     for sig, (piece, runnables) in unique.items():
@@ -179,7 +208,7 @@ def _piece_jobs(
         for sig, (piece, runnables) in unique.items():
             gm = piece.graph_module
             if device.type == "cpu" and n <= CPU_GEMV_MAX_TOKENS:
-                gm, _ = decompose_linears(gm)
+                gm, _ = decompose_linears(gm, native_tokens=n if native else None)
             else:
                 gm = lower_quantized(gm)
             jobs.append((CompileJob(f"piece {index_of[sig]} [{n}]", gm, recorded[piece.name], dynamic=False),
@@ -255,28 +284,32 @@ def compile_traced(
     progress: bool | None = None,
     eager_impls: dict[str, Any] | None = None,
     attention_kernel: PagedDecodeKernel | None = None,
+    linear_kernel: CpuLinearKernel | None = None,
 ) -> tuple[CompiledModel, CompileStats]:
     """Compile every unique compute piece of ``traced`` for token counts
     ``[1, max_num_tokens]``, with exact runnables for ``config.compile_sizes``
     (``config`` must be resolved), and the CPU LM heads.
 
     ``eager_impls`` ("ns::op" -> Python function) are called directly in the
-    attention pieces; ``attention_kernel`` goes with the callable. Returns the
-    callable and its statistics."""
+    attention pieces; ``attention_kernel`` goes with the callable;
+    ``linear_kernel``: the few-token pieces call it, and no LM head is
+    compiled (the kernel is the head). Returns the callable and its
+    statistics."""
     stats = CompileStats(dynamo_traces=1, phases=dict(traced.phases))
     t0 = time.perf_counter()
     split, captured = traced.split, traced.captured
     unique = _unique_pieces(split, max_num_tokens)
     stats.pieces, stats.unique_pieces = len(split.compute_pieces), len(unique)
     sizes = list(config.compile_sizes or [])
-    head_sizes = [n for n in sizes if n <= CPU_GEMV_MAX_TOKENS] if device.type == "cpu" else []
+    cpu_heads = device.type == "cpu" and linear_kernel is None
+    head_sizes = [n for n in sizes if n <= CPU_GEMV_MAX_TOKENS] if cpu_heads else []
     bind = ArgumentBinder(captured.inputs, model)
 
     def example_args(n: int) -> list[Any]:
         return bind(torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, dtype=torch.long, device=device))
 
     logits_heads: dict[int, Callable[..., Any]] = {}
-    jobs = _piece_jobs(split, unique, example_args, sizes, max_num_tokens, device)
+    jobs = _piece_jobs(split, unique, example_args, sizes, max_num_tokens, device, native=linear_kernel is not None)
     _run_jobs(jobs + _head_jobs(model, head_sizes, device, logits_heads), config, device, stats, progress)
     stats.phases["compile"] = round(time.perf_counter() - t0, 4)
     logger.info(
@@ -289,6 +322,6 @@ def compile_traced(
     pieces = {sig: runnables for sig, (_, runnables) in unique.items()}
     signatures = {p.name: p.signature for p in split.compute_pieces}
     compiled = CompiledModel(split.module, captured.inputs, model, pieces, signatures, logits_heads,
-                             attention_kernel)
+                             attention_kernel, linear_kernel)
     return compiled, stats
 

@@ -474,6 +474,8 @@ def startup_report(config: ResolvedConfig, engine: Engine, compiled: "CompiledEn
         "attention_backend": engine.runner.attention_backend.name,
         # the compiled entry's CPU decode-attention library (kiln.attention.cpu_decode), or None
         "attention_kernel": _attention_kernel_name(engine.runner.attention_backend),
+        # the small-batch linear library its few-token pieces and LM head call (kiln.compiler.cpu_linear)
+        "linear_kernel": _linear_kernel_name(compiled),
         "cudagraph_mode": mode.value,
         "cudagraph_capture_sizes": dispatcher.capture_sizes if dispatcher is not None else [],
         "cudagraphs_captured": capture.graphs,
@@ -644,6 +646,11 @@ def build_compiled(path: "str | Path", cache_root: Path, **kwargs: Any) -> tuple
     report = {"phases": phases.seconds, "total_seconds": phases.total(), "optimization_level": config.compilation.level,
               **_compile_report(compiled.stats)}
     return record, report
+
+
+def _linear_kernel_name(compiled: Any) -> str | None:
+    kernel = getattr(getattr(compiled, "model", None), "linear_kernel", None)
+    return kernel.path.name if kernel is not None else None
 
 
 def _attention_kernel_name(backend: Any) -> str | None:

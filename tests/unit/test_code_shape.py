@@ -23,7 +23,7 @@ KILN = Path(__file__).resolve().parents[2] / "kiln"
 
 LAYERS: list[tuple[str, int]] = [  # most specific prefix first
     ("kiln.version", 0), ("kiln.config", 0),
-    ("kiln.forward_context", 1), ("kiln.progress", 1), ("kiln.quick_exit", 1),
+    ("kiln.forward_context", 1), ("kiln.progress", 1), ("kiln.quick_exit", 1), ("kiln.native", 1),
     ("kiln.attention.op", 2),
     ("kiln.checkpoint", 3), ("kiln.models", 3),
     ("kiln.compiler", 4), ("kiln.graphs", 4), ("kiln.attention", 4), ("kiln.cache", 4),

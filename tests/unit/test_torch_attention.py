@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kiln.attention.backend import CommonAttentionMetadata
-from kiln.attention.torch_backend import TorchAttentionBackend
+from kiln.attention.torch_backend import TorchAttentionBackend, write_kv_cache
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -166,3 +166,22 @@ def test_the_kv_cache_starts_zeroed_even_on_reused_memory() -> None:
         assert all(int(torch.count_nonzero(c)) == 0 for c in caches)
         caches[0].fill_(1.0)  # writable, and the layers do not overlap
         assert int(torch.count_nonzero(caches[1])) == 0
+
+
+def test_the_c_kv_write_equals_index_copy(decode_kernel) -> None:
+    """Keys and values as the model hands them over (views of the fused q/k/v
+    projection, rows strided) land where ``write_kv_cache`` puts them."""
+    torch.manual_seed(4)
+    blocks, block_size, kv_heads, head_dim, tokens = 6, 4, 2, 8, 5
+    fused = torch.randn(tokens, 3 * kv_heads, head_dim)
+    key, value = fused[:, kv_heads:2 * kv_heads], fused[:, 2 * kv_heads:]
+    slots = torch.tensor([3, 17, 0, 22, 9])
+    want = torch.zeros(2, blocks, block_size, kv_heads, head_dim)
+    write_kv_cache(key, value, want, slots)
+    got = torch.zeros_like(want)
+    assert decode_kernel.write_kv(key, value, got, slots)
+    assert torch.equal(got, want)
+    with pytest.raises(IndexError, match="outside the cache's 24 slots"):
+        decode_kernel.write_kv(key, value, got, torch.tensor([3, 17, 0, 24, 9]))
+    # what the kernel does not take is left to the torch path
+    assert not decode_kernel.write_kv(key.double(), value.double(), got.double(), slots)

@@ -1,0 +1,270 @@
+/* Small-batch linear layers (1 to 8 rows of activations) for CPUs: fp32, bf16
+ * and kiln's packed int8, q8_0 and q4 weights, fp32 accumulation.
+ *
+ * Built by kiln.compiler.cpu_linear with the machine's C compiler (-O3
+ * -march=native -fopenmp) and called through ctypes from the few-token CPU
+ * pieces (the ``kiln::cpu_linear`` op) and the LM head. At one to a few tokens
+ * a linear layer reads each weight once and does a multiply-add with it per
+ * row: its speed is the memory bandwidth. This code streams a block of weight
+ * rows, converts each vector of weights to fp32 once (bf16: a shift; packed:
+ * shifts, a mask, an int->float conversion) and multiplies it into every
+ * activation row, with the accumulators in registers. Inductor's reduction of
+ * the same product runs the rows of a 2- or 4-token piece one after another
+ * (bench/results/cpu-linear-cpu-*.json).
+ *
+ * Layouts (rows contiguous; row strides in elements):
+ *   x      [M, K] fp32 or bf16 (x_bf16), row m at x + m * x_stride
+ *   out    [M, N] fp32 or bf16 (out_bf16), row m at out + m * out_stride
+ *   bias   [N] in out's dtype, or NULL
+ *   fp32 / bf16 weights   [N, K]
+ *   packed weights        words [N, K / G, 8] int32 (G = 32 elements for 8-bit,
+ *                         64 for 4-bit): byte (nibble) b of the 8 words of a
+ *                         group holds elements 8b .. 8b + 7 of the group;
+ *                         scales [N, S] fp32 (S = 1 for int8, K / 32 for q8_0
+ *                         and q4); offsets [N, K / 32] fp32 for q4.
+ *   value of a packed element: int8, q8_0: scale * q (q signed);
+ *                              q4: scale * q + offset (q in 0..15).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <immintrin.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if !(defined(__AVX2__) && defined(__FMA__))
+#error "cpu_linear.c needs AVX2 and FMA (kiln falls back to its compiled reductions without them)"
+#endif
+
+#define KILN_MAX_ROWS 8
+#define KILN_MAX_K 65536
+
+enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_INT8 = 2, KIND_Q8_0 = 3, KIND_Q4 = 4 };
+
+static inline float hsum8(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);  /* NaN stays NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline __m256 load_bf16x8(const uint16_t *p) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+/* ------------------------------------------------------------ dense weights
+ * One weight row at a time, each vector of it multiplied into all M
+ * activation rows; two accumulators per activation row (K unrolled by 16)
+ * while M <= 4, one beyond, so that they all stay in registers. A block of
+ * several weight rows at once was slower (1.1-1.7x; several streams instead
+ * of one). */
+#define DENSE_ROW(NAME, WTYPE, LOADW, TOF)                                                     \
+static inline __attribute__((always_inline)) void NAME(                                      \
+        const float *x, int64_t k, const WTYPE *w, const int m, float *res) {                \
+    __m256 a0[KILN_MAX_ROWS], a1[KILN_MAX_ROWS];                                             \
+    _Pragma("GCC unroll 8") for (int i = 0; i < m; i++) a0[i] = a1[i] = _mm256_setzero_ps(); \
+    int64_t c = 0;                                                                           \
+    if (m <= 4)                                                                              \
+        for (; c + 16 <= k; c += 16) {                                                       \
+            const __m256 w0 = LOADW(w + c), w1 = LOADW(w + c + 8);                           \
+            _Pragma("GCC unroll 8") for (int i = 0; i < m; i++) {                            \
+                a0[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * k + c), w0, a0[i]);          \
+                a1[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * k + c + 8), w1, a1[i]);      \
+            }                                                                                \
+        }                                                                                    \
+    for (; c + 8 <= k; c += 8) {                                                             \
+        const __m256 w0 = LOADW(w + c);                                                      \
+        _Pragma("GCC unroll 8") for (int i = 0; i < m; i++)                                  \
+            a0[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * k + c), w0, a0[i]);              \
+    }                                                                                        \
+    _Pragma("GCC unroll 8") for (int i = 0; i < m; i++) {                                    \
+        float s = hsum8(_mm256_add_ps(a0[i], a1[i]));                                        \
+        for (int64_t t = c; t < k; t++) s += x[i * k + t] * TOF(w[t]);                       \
+        res[i] = s;                                                                          \
+    }                                                                                        \
+}
+
+static inline float f32_id(float v) { return v; }
+DENSE_ROW(dense_f32, float, _mm256_loadu_ps, f32_id)
+DENSE_ROW(dense_bf16, uint16_t, load_bf16x8, bf16_to_f32)
+
+/* ----------------------------------------------------------- packed weights */
+static inline __m256 byte_lane(__m256i v, int b) {  /* signed byte b of each word */
+    return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_sllv_epi32(v, _mm256_set1_epi32(24 - 8 * b)), 24));
+}
+
+static inline __m256 nibble_lane(__m256i v, int b) {  /* nibble b of each word, 0..15 */
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, _mm256_set1_epi32(4 * b)),
+                                               _mm256_set1_epi32(15)));
+}
+
+/* The 32 products of one group's unpacked weights (f[b]: elements 8b .. 8b + 7)
+ * with 32 activations, summed pairwise: two short chains instead of one of
+ * four multiply-adds, which bound the loop by their latency (int8: 0.92x
+ * Inductor's reduction on the 135M LM head with one chain). */
+static inline __m256 dot32(const __m256 f[4], const float *xp) {
+    const __m256 p0 = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xp + 16), _mm256_mul_ps(f[0], _mm256_loadu_ps(xp)));
+    const __m256 p1 = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xp + 24), _mm256_mul_ps(f[1], _mm256_loadu_ps(xp + 8)));
+    return _mm256_add_ps(p0, p1);
+}
+
+/* One weight row of a packed format against M activation rows. int8: one
+ * scale for the row; q8_0: a scale per 32-element group; q4: a scale and an
+ * offset per 32 elements, the offsets' share taken from the activations'
+ * block sums (xsum, [M, K / 32]). */
+static inline __attribute__((always_inline)) void packed_row(
+        int kind, const float *x, int64_t k, const int32_t *words, const float *scales, const float *offsets,
+        const float *xsum, int m, float *res) {
+    __m256 acc[KILN_MAX_ROWS];
+    _Pragma("GCC unroll 8") for (int i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
+    if (kind == KIND_Q4) {
+        for (int64_t g = 0; g < k / 64; g++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(words + g * 64 / 8));
+            for (int half = 0; half < 2; half++) {
+                __m256 f[4];
+                for (int b = 0; b < 4; b++) f[b] = nibble_lane(v, half * 4 + b);
+                const __m256 d = _mm256_broadcast_ss(scales + g * 2 + half);
+                _Pragma("GCC unroll 8") for (int i = 0; i < m; i++)
+                    acc[i] = _mm256_fmadd_ps(dot32(f, x + i * k + g * 64 + half * 32), d, acc[i]);
+            }
+        }
+    } else {
+        for (int64_t g = 0; g < k / 32; g++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(words + g * 8));
+            __m256 f[4];
+            for (int b = 0; b < 4; b++) f[b] = byte_lane(v, b);
+            _Pragma("GCC unroll 8") for (int i = 0; i < m; i++) {
+                const __m256 t = dot32(f, x + i * k + g * 32);
+                acc[i] = kind == KIND_Q8_0 ? _mm256_fmadd_ps(t, _mm256_broadcast_ss(scales + g), acc[i])
+                                           : _mm256_add_ps(t, acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < m; i++) {
+        float s = hsum8(acc[i]);
+        if (kind == KIND_INT8) s *= scales[0];
+        if (kind == KIND_Q4) {
+            const float *xs = xsum + i * (k / 32);
+            for (int64_t blk = 0; blk < k / 32; blk++) s += offsets[blk] * xs[blk];
+        }
+        res[i] = s;
+    }
+}
+
+/* ------------------------------------------------------------------ driver */
+static inline void store(void *out, int out_bf16, int64_t index, float v) {
+    if (out_bf16) ((uint16_t *)out)[index] = f32_to_bf16(v);
+    else ((float *)out)[index] = v;
+}
+
+static inline float bias_at(const void *bias, int out_bf16, int64_t j) {
+    if (!bias) return 0.0f;
+    return out_bf16 ? bf16_to_f32(((const uint16_t *)bias)[j]) : ((const float *)bias)[j];
+}
+
+/* Rows [j0, j1) of the output for every activation row; M is a constant at
+ * each call (SWITCH_M), so that the accumulators can live in registers. */
+static inline __attribute__((always_inline)) void rows_dense(
+        int kind, const float *xf, const int m, int64_t k, const void *w, int64_t j0, int64_t j1,
+        const void *bias, void *out, int out_bf16, int64_t out_stride) {
+    float res[KILN_MAX_ROWS];
+    for (int64_t j = j0; j < j1; j++) {
+        if (kind == KIND_F32) dense_f32(xf, k, (const float *)w + j * k, m, res);
+        else dense_bf16(xf, k, (const uint16_t *)w + j * k, m, res);
+        _Pragma("GCC unroll 8") for (int i = 0; i < m; i++)
+            store(out, out_bf16, i * out_stride + j, res[i] + bias_at(bias, out_bf16, j));
+    }
+}
+
+static inline __attribute__((always_inline)) void rows_packed(
+        int kind, const float *xf, const float *xsum, const int m, int64_t k, const int32_t *words,
+        const float *scales, const float *offsets, int64_t j0, int64_t j1, const void *bias, void *out,
+        int out_bf16, int64_t out_stride) {
+    const int64_t per_row_scales = kind == KIND_INT8 ? 1 : k / 32;
+    float res[KILN_MAX_ROWS];
+    for (int64_t j = j0; j < j1; j++) {
+        const int32_t *wp = words + j * (kind == KIND_Q4 ? k / 8 : k / 4);
+        const float *sp = scales + j * per_row_scales;
+        const float *op = offsets ? offsets + j * (k / 32) : NULL;
+        if (kind == KIND_Q4) packed_row(KIND_Q4, xf, k, wp, sp, op, xsum, m, res);
+        else if (kind == KIND_Q8_0) packed_row(KIND_Q8_0, xf, k, wp, sp, op, xsum, m, res);
+        else packed_row(KIND_INT8, xf, k, wp, sp, op, xsum, m, res);
+        for (int i = 0; i < m; i++) store(out, out_bf16, i * out_stride + j, res[i] + bias_at(bias, out_bf16, j));
+    }
+}
+
+#define SWITCH_M(m, CALL) switch (m) { \
+    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
+    case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); break; }
+
+static void rows(int kind, const float *xf, const float *xsum, int m, int64_t k, const void *w, const float *scales,
+                 const float *offsets, int64_t j0, int64_t j1, const void *bias, void *out, int out_bf16,
+                 int64_t out_stride) {
+#define DENSE(M) rows_dense(kind, xf, M, k, w, j0, j1, bias, out, out_bf16, out_stride)
+#define PACKED(M) rows_packed(kind, xf, xsum, M, k, (const int32_t *)w, scales, offsets, j0, j1, bias, out, \
+                              out_bf16, out_stride)
+    if (kind <= KIND_BF16) { SWITCH_M(m, DENSE) } else { SWITCH_M(m, PACKED) }
+#undef DENSE
+#undef PACKED
+}
+
+/* out[M, N] = x[M, K] @ W[N, K]^T + bias. Returns 0, or -1 for arguments
+ * outside the kernel's limits (the caller checks them first). */
+int kiln_linear(int kind, const void *x, int x_bf16, int64_t x_stride, int64_t m, const void *w,
+                const float *scales, const float *offsets, int64_t n, int64_t k, const void *bias, void *out,
+                int out_bf16, int64_t out_stride, int threads) {
+    if (m < 1 || m > KILN_MAX_ROWS || k < 1 || k > KILN_MAX_K || n < 1 || kind < KIND_F32 || kind > KIND_Q4)
+        return -1;
+    if ((kind == KIND_INT8 || kind == KIND_Q8_0) && k % 32) return -1;
+    if (kind == KIND_Q4 && (k % 64 || !offsets)) return -1;
+    /* the activations as contiguous fp32 rows, and their 32-element block sums for q4 */
+    float xf[KILN_MAX_ROWS * 1024];
+    float xs[KILN_MAX_ROWS * 32];
+    float *xbuf = (m * k <= (int64_t)(sizeof xf / sizeof xf[0])) ? xf : malloc(sizeof(float) * m * k);
+    float *sbuf = (m * (k / 32) <= (int64_t)(sizeof xs / sizeof xs[0])) ? xs : malloc(sizeof(float) * m * (k / 32 + 1));
+    if (!xbuf || !sbuf) return -2;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t t = 0; t < k; t++)
+            xbuf[i * k + t] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[i * x_stride + t])
+                                     : ((const float *)x)[i * x_stride + t];
+    if (kind == KIND_Q4)
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t blk = 0; blk < k / 32; blk++) {
+                float s = 0.0f;
+                for (int t = 0; t < 32; t++) s += xbuf[i * k + blk * 32 + t];
+                sbuf[i * (k / 32) + blk] = s;
+            }
+    /* each thread takes a contiguous share of the output rows, a multiple of 4 */
+    const int64_t chunks = (n + 3) / 4;
+#pragma omp parallel num_threads(threads)
+    {
+#ifdef _OPENMP
+        const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+#else
+        const int nt = 1, id = 0;
+#endif
+        const int64_t c0 = chunks * id / nt, c1 = chunks * (id + 1) / nt;
+        const int64_t j0 = c0 * 4, j1 = c1 * 4 < n ? c1 * 4 : n;
+        if (j0 < j1) rows(kind, xbuf, sbuf, (int)m, k, w, scales, offsets, j0, j1, bias, out, out_bf16, out_stride);
+    }
+    if (xbuf != xf) free(xbuf);
+    if (sbuf != xs) free(sbuf);
+    return 0;
+}

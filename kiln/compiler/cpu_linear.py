@@ -1,0 +1,137 @@
+"""Small-batch linear layers on CPU in C (``cpu_linear.c``), as the op
+``kiln::cpu_linear`` inside compiled pieces and as the LM head.
+
+At one to a few tokens a linear layer is bound by reading its weight. Inductor's
+reduction form of the product (``kiln.compiler.gemv``) streams an fp32 weight
+at about the machine's bandwidth for one token, but runs the rows of a 2- or
+4-token piece one after another, converts bf16 weights at a cost that hid their
+halved bytes, and unpacks quantized words through a stack copy. The C kernel
+reads each weight vector once, converts it once and multiplies it into every
+activation row, with the accumulators in registers. The 135M shape's LM head
+(49152 x 576, 2 threads, weights larger than the caches) in one run: fp32 at 1,
+2 and 4 rows 6.9, 8.8 and 7.6 ms against Inductor's 7.6, 13.6 and 27.8 ms; bf16
+3.3, 4.2 and 4.4 ms against ``mm``'s 4.8, 8.3 and 15.8 ms
+(bench/results/cpu-linear-cpu-latest.json, ``python -m bench.cpu_kernels
+--only cpu-linear``).
+
+Inside a compiled piece the op is an extern call that Inductor schedules
+between its fused kernels; its fake implementation gives the output's shape.
+Its CPU implementation calls the library this process loaded last (``load``):
+libraries are named after their source, so any two a process loads hold the
+same code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.native import KernelBuildError, NativeSource
+
+__all__ = ["DENSE_KINDS", "MAX_ROWS", "CpuLinearKernel", "KernelBuildError", "SOURCE", "cpu_linear", "load",
+           "dense_kind", "implementation", "takes_piece_linear"]
+
+SOURCE = NativeSource(Path(__file__).with_name("cpu_linear.c"), "cpu-linear")
+MAX_ROWS = 8  # KILN_MAX_ROWS: activation rows one call takes
+MAX_K = 65536  # KILN_MAX_K
+_KINDS = {"f32": 0, "bf16": 1, "int8": 2, "q8_0": 3, "q4": 4}  # enum in cpu_linear.c
+DENSE_KINDS = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def dense_kind(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> str | None:
+    """The kernel's kind for a dense linear of these dtypes, or None (fp16, or
+    activations and weight of different dtypes: the compiled reduction stays)."""
+    return DENSE_KINDS.get(x_dtype) if x_dtype == weight_dtype else None
+
+
+def takes_piece_linear(kind: str, tokens: int) -> bool:
+    """Whether a few-token piece of ``tokens`` rows calls the kernel for a
+    linear of ``kind``: bf16 at any count, the others from two tokens on. At
+    one token Inductor's reductions, fused into the piece, do as well as the
+    kernel for fp32 (they stream the weight at the machine's bandwidth) and for
+    the packed formats (both are bound by unpacking, not memory), and a call
+    costs 15-20 us more; whole decode steps of the 135M shape, one run taking
+    turns: fp32 20.8-21.3 tok/s that way against 17.7-19.3 with the kernel,
+    int8 36.8-41.4 against 28.4-32.5; bf16 24.5-28.7 with it against
+    21.3-22.7."""
+    return kind == "bf16" or tokens >= 2
+
+
+class CpuLinearKernel:
+    """The built library, loaded."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        fn = ctypes.CDLL(str(path)).kiln_linear
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        fn.argtypes = [i32, p, i32, i64, i64, p, p, p, i64, i64, p, p, i32, i64, i32]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None,
+                 offsets: torch.Tensor | None, bias: torch.Tensor | None, kind: str) -> torch.Tensor:
+        """``x [..., K] @ W.T + bias`` in ``x``'s dtype. ``weight``: ``[N, K]``
+        (``f32``, ``bf16``) or packed words ``[N, K / G, 8]`` with their scales
+        and offsets (``int8``, ``q8_0``, ``q4``: ``kiln.models.quant``).
+
+        Written for its per-call cost, which a decode step pays 120 times: one
+        ctypes call and one allocation when ``x`` is a few contiguous rows."""
+        k, n = x.shape[-1], weight.shape[0]
+        rows = x if x.dim() == 2 and x.stride(1) == 1 else x.reshape(-1, k).contiguous()
+        m = rows.shape[0]
+        out = rows.new_empty((m, n))
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        bf16 = x.dtype == torch.bfloat16
+        code, threads = _KINDS[kind], torch.get_num_threads()
+        w, sp, op, bp = weight.data_ptr(), _ptr(scales), _ptr(offsets), _ptr(bias)
+        for start in range(0, m, MAX_ROWS):
+            part = rows if m <= MAX_ROWS else rows[start:start + MAX_ROWS]
+            dst = out.data_ptr() + start * n * out.element_size()
+            rc = self._fn(code, part.data_ptr(), bf16, part.stride(0), part.shape[0], w, sp, op, n, k, bp, dst, bf16,
+                          n, threads)
+            if rc != 0:
+                raise RuntimeError(f"{self.path.name} refused a {kind} linear of {tuple(part.shape)} by "
+                                   f"[{n}, {k}] (rc {rc})")
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+_LOADED: list[CpuLinearKernel] = []  # what the op calls: the library loaded last
+
+
+def load(path: Path) -> CpuLinearKernel:
+    """Load the library at ``path`` and make it the op's implementation."""
+    kernel = CpuLinearKernel(path)
+    _LOADED[:] = [kernel]
+    return kernel
+
+
+def implementation(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None,
+                   offsets: torch.Tensor | None, bias: torch.Tensor | None, kind: str) -> torch.Tensor:
+    """The op's CPU implementation (exported code calls it directly,
+    ``kiln.compiler.replay``)."""
+    if not _LOADED:
+        raise RuntimeError("kiln::cpu_linear was called before its library was loaded "
+                           "(kiln.compiler.cpu_linear.load): the compiled pieces came without it")
+    return _LOADED[0](x, weight, scales, offsets, bias, kind)
+
+
+def _fake(x, weight, scales, offsets, bias, kind):  # noqa: ANN001, ANN202
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+# A torch.library op, not @custom_op: a call through the dispatcher costs about
+# 4 us against 32 us (bench/results/op-overhead-cpu-latest.json), and a decode
+# step of the 135M shape makes 120 of them.
+_LIB = torch.library.Library("kiln", "FRAGMENT")
+_LIB.define("cpu_linear(Tensor x, Tensor weight, Tensor? scales, Tensor? offsets, Tensor? bias, str kind) -> Tensor")
+_LIB.impl("cpu_linear", implementation, "CPU")
+torch.library.register_fake("kiln::cpu_linear", _fake, lib=_LIB)
+cpu_linear: Any = torch.ops.kiln.cpu_linear.default

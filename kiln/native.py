@@ -1,0 +1,73 @@
+"""Building kiln's own C kernels (decode attention, small-batch linears) with the
+machine's C compiler, into Inductor's cache beside Inductor's kernels.
+
+A kernel library is a compiled artifact like Inductor's: built when a CPU entry
+is compiled (``-march=native``: the entry's cache key pins the CPU's features),
+named after its source and flags (an edited kernel gets a new name, never an
+old library), listed and checksummed in the entry's manifest, and copied into
+bundles, so a warm start loads it with ``ctypes`` and runs no compiler.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["FLAGS", "SUBDIR", "KernelBuildError", "NativeSource"]
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+SUBDIR = "kiln-native"  # under the Inductor cache the libraries are kept in
+
+
+class KernelBuildError(RuntimeError):
+    """The C compiler could not build a kernel (its message included)."""
+
+
+@dataclass(frozen=True)
+class NativeSource:
+    """One C source file and the prefix of the library built from it."""
+
+    path: Path
+    prefix: str  # "paged-decode": libraries are kiln-native/paged-decode-<digest>.so
+
+    def library_name(self) -> str:
+        """The library's path relative to the Inductor cache."""
+        digest = hashlib.sha256(self.path.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+        return f"{SUBDIR}/{self.prefix}-{digest}.so"
+
+    def build(self, inductor_dir: Path) -> str:
+        """Build the library into ``inductor_dir`` unless it is there; returns
+        its name relative to it. Written to a temporary file and renamed, so a
+        concurrent reader never sees half a library."""
+        name = self.library_name()
+        target = inductor_dir / name
+        if target.is_file():
+            return name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        cc = _compiler(self.path.name)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{self.prefix}-", suffix=".so")
+        os.close(fd)
+        try:
+            done = subprocess.run([cc, *FLAGS, "-x", "c", str(self.path), "-x", "none", "-o", tmp, "-lm"],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                raise KernelBuildError(f"{cc} failed to build {self.path.name} (exit {done.returncode}): "
+                                       f"{done.stderr.strip()[-2000:]}")
+            os.replace(tmp, target)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        return name
+
+
+def _compiler(what: str) -> str:
+    """The C compiler: $CC, else the usual names, else the C++ compiler
+    Inductor uses ($CXX, g++), told by ``-x c`` that the source is C."""
+    for candidate in (os.environ.get("CC"), "gcc", "cc", "clang", os.environ.get("CXX"), "g++", "c++"):
+        if candidate and shutil.which(candidate):
+            return candidate
+    raise KernelBuildError(f"no C compiler found (tried $CC, gcc, cc, clang, $CXX, g++, c++) to build {what}")

@@ -1,0 +1,138 @@
+"""The C small-batch linear kernel (kiln/compiler/cpu_linear.c) against torch,
+its op, and the rewrite that puts it into few-token pieces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from kiln.checkpoint import QuantizedTensor
+from kiln.compiler import cpu_linear
+from kiln.compiler.gemv import decompose_linears
+from kiln.models.quant import FORMATS, dequantize, pack, quantize_int8, quantized_linear
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> cpu_linear.CpuLinearKernel:
+    root = tmp_path_factory.mktemp("inductor")
+    return cpu_linear.load(root / cpu_linear.SOURCE.build(root))
+
+
+def _blocks(w: torch.Tensor, bits: int) -> QuantizedTensor:
+    """GGUF-like blocks of 32: q8_0 (symmetric) or q4_1 (scale and minimum)."""
+    n, k = w.shape
+    wb = w.view(n, k // 32, 32)
+    if bits == 8:
+        d = (wb.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-8)
+        q = torch.round(wb / d).clamp(-127, 127).to(torch.int8)
+        return QuantizedTensor(q.view(n, k), d.view(n, -1), None, 8, "q8_0")
+    lo = wb.amin(-1, keepdim=True)
+    d = ((wb.amax(-1, keepdim=True) - lo) / 15).clamp_min(1e-8)
+    q = torch.round((wb - lo) / d).clamp(0, 15).to(torch.int8)
+    return QuantizedTensor(q.view(n, k), d.view(n, -1), lo.view(n, -1), 4, "q4_1")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11])  # 11: two calls of the kernel's 8 rows
+@pytest.mark.parametrize("k", [64, 100, 8])  # 100: a tail past the vectors of 16 and 8
+def test_fp32_equals_linear(kernel, rows: int, k: int) -> None:
+    torch.manual_seed(rows * 100 + k)
+    x, w, b = torch.randn(rows, k), torch.randn(37, k), torch.randn(37)
+    torch.testing.assert_close(kernel(x, w, None, None, b, "f32"), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernel(x, w, None, None, None, "f32"), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 8])
+def test_bf16_accumulates_in_fp32_and_rounds_once(kernel, rows: int) -> None:
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 96).to(torch.bfloat16)
+    w = torch.randn(50, 96).to(torch.bfloat16)
+    b = torch.randn(50).to(torch.bfloat16)
+    got = kernel(x, w, None, None, b, "bf16")
+    assert got.dtype == torch.bfloat16
+    want = (F.linear(x.float(), w.float()) + b.float()).to(torch.bfloat16)
+    # the same fp32 sums in another order: at most one bf16 step apart
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4"])
+@pytest.mark.parametrize("rows", [1, 2, 4, 7])
+def test_packed_formats_equal_their_dequantized_weight(kernel, fmt: str, rows: int) -> None:
+    torch.manual_seed(rows)
+    w = torch.randn(24, 128) * 0.1
+    q = quantize_int8(w) if fmt == "int8" else _blocks(w, 8 if fmt == "q8_0" else 4)
+    words, scales, offsets = pack(q, FORMATS[fmt])
+    x, b = torch.randn(rows, 128), torch.randn(24)
+    want = F.linear(x, dequantize(words, scales, offsets, FORMATS[fmt]), b)
+    torch.testing.assert_close(kernel(x, words, scales, offsets, b, fmt), want, atol=1e-4, rtol=1e-4)
+    got16 = kernel(x.to(torch.bfloat16), words, scales, offsets, None, fmt)
+    assert got16.dtype == torch.bfloat16
+    torch.testing.assert_close(got16.float(), F.linear(x.to(torch.bfloat16).float(), dequantize(
+        words, scales, offsets, FORMATS[fmt])), atol=0.05, rtol=2 ** -7)
+
+
+def test_rows_of_any_shape_and_strides(kernel) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(16, 32)
+    x3 = torch.randn(2, 3, 32)
+    torch.testing.assert_close(kernel(x3, w, None, None, None, "f32"), F.linear(x3, w), atol=1e-5, rtol=1e-5)
+    strided = torch.randn(4, 64)[:, :32]  # rows 64 apart, as a slice of a fused projection
+    torch.testing.assert_close(kernel(strided, w, None, None, None, "f32"), F.linear(strided, w),
+                               atol=1e-5, rtol=1e-5)
+    transposed = torch.randn(32, 3).t()  # elements not contiguous: copied first
+    torch.testing.assert_close(kernel(transposed, w, None, None, None, "f32"), F.linear(transposed, w),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_the_op_runs_the_loaded_kernel_and_has_a_fake(kernel) -> None:
+    x, w = torch.randn(2, 16), torch.randn(8, 16)
+    torch.testing.assert_close(cpu_linear.cpu_linear(x, w, None, None, None, "f32"), F.linear(x, w),
+                               atol=1e-5, rtol=1e-5)
+    with FakeTensorMode() as mode:
+        fake = cpu_linear.cpu_linear(mode.from_tensor(torch.empty(3, 5, 16)), mode.from_tensor(w), None, None,
+                                     None, "f32")
+    assert fake.shape == (3, 5, 8)
+
+
+def test_a_refused_shape_names_the_kernel_and_the_shape(kernel) -> None:
+    words = torch.zeros(4, 1, 8)  # q4 needs rows of 64 elements: 40 is refused
+    with pytest.raises(RuntimeError, match=r"cpu-linear-.*q4 linear of \(1, 40\)"):
+        kernel(torch.zeros(1, 40), words, torch.zeros(4, 1), torch.zeros(4, 1), None, "q4")
+
+
+def _graph(dtype: torch.dtype, tokens: int, packed: bool) -> fx.GraphModule:
+    """``x -> linear(x, w) -> packed_linear`` with example values, as Dynamo records them."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    w = graph.placeholder("w")
+    x.meta["example_value"] = torch.empty(tokens, 64, dtype=dtype)
+    w.meta["example_value"] = torch.empty(32, 64, dtype=dtype)
+    h = graph.call_function(F.linear, (x, w))
+    h.meta["example_value"] = torch.empty(tokens, 32, dtype=dtype)
+    out = h
+    if packed:
+        words, scales = graph.placeholder("words"), graph.placeholder("scales")
+        words.meta["example_value"] = torch.empty(16, 1, 8)
+        scales.meta["example_value"] = torch.empty(16, 1)
+        out = graph.call_function(quantized_linear, (h, words, scales, None, None, "int8"))
+        out.meta["example_value"] = torch.empty(tokens, 16, dtype=dtype)
+    graph.output((out,))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+@pytest.mark.parametrize("dtype, tokens, packed, calls", [
+    (torch.float32, 1, True, 0),  # Inductor's fused reductions at one token, fp32 and packed
+    (torch.float32, 2, True, 2),
+    (torch.bfloat16, 1, False, 1),  # bf16 always
+    (torch.float16, 2, False, 0),  # a dtype the kernel does not take
+])
+def test_the_rewrite_calls_the_kernel_where_it_pays(dtype, tokens: int, packed: bool, calls: int) -> None:
+    gm, rewritten = decompose_linears(_graph(dtype, tokens, packed), native_tokens=tokens)
+    ops = [n for n in gm.graph.nodes if n.target is cpu_linear.cpu_linear]
+    assert len(ops) == calls
+    assert rewritten == 1 + packed  # every linear is rewritten, as the kernel's call or as a reduction
+    assert not any(n.target in (F.linear, quantized_linear) for n in gm.graph.nodes)
+    without, _ = decompose_linears(_graph(dtype, tokens, packed))
+    assert not any(n.target is cpu_linear.cpu_linear for n in without.graph.nodes)
