@@ -134,7 +134,6 @@ class CompiledModel:
             out.append(self.logits_heads[size](padded, *tensors)[0][: rows.shape[0]])
         return torch.cat(out)
 
-
     def _native_head(self, hidden: torch.Tensor, tensors: list[torch.Tensor], fmt: QuantFormat | None,
                      ) -> torch.Tensor | None:
         """The logits by the C kernel, for a few rows (a dense head) or any
