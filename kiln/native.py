@@ -20,7 +20,8 @@ from pathlib import Path
 
 __all__ = ["FLAGS", "SUBDIR", "KernelBuildError", "NativeSource"]
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# a call to an undeclared function is an error, not an undefined symbol found at load time
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-Werror=implicit-function-declaration")
 SUBDIR = "kiln-native"  # under the Inductor cache the libraries are kept in
 
 
@@ -35,16 +36,18 @@ class NativeSource:
     path: Path
     prefix: str  # "paged-decode": libraries are kiln-native/paged-decode-<digest>.so
 
-    def library_name(self) -> str:
+    def library_name(self, extra_flags: tuple[str, ...] = ()) -> str:
         """The library's path relative to the Inductor cache."""
-        digest = hashlib.sha256(self.path.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+        flags = " ".join(FLAGS + extra_flags).encode()
+        digest = hashlib.sha256(self.path.read_bytes() + flags).hexdigest()[:16]
         return f"{SUBDIR}/{self.prefix}-{digest}.so"
 
-    def build(self, inductor_dir: Path) -> str:
+    def build(self, inductor_dir: Path, extra_flags: tuple[str, ...] = ()) -> str:
         """Build the library into ``inductor_dir`` unless it is there; returns
         its name relative to it. Written to a temporary file and renamed, so a
-        concurrent reader never sees half a library."""
-        name = self.library_name()
+        concurrent reader never sees half a library. ``extra_flags`` follow
+        ``FLAGS`` (``-mno-avx512f``: the code a CPU without AVX-512 runs)."""
+        name = self.library_name(extra_flags)
         target = inductor_dir / name
         if target.is_file():
             return name
@@ -53,7 +56,7 @@ class NativeSource:
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{self.prefix}-", suffix=".so")
         os.close(fd)
         try:
-            done = subprocess.run([cc, *FLAGS, "-x", "c", str(self.path), "-x", "none", "-o", tmp, "-lm"],
+            done = subprocess.run([cc, *FLAGS, *extra_flags, "-x", "c", str(self.path), "-x", "none", "-o", tmp, "-lm"],
                                   capture_output=True, text=True)
             if done.returncode != 0:
                 raise KernelBuildError(f"{cc} failed to build {self.path.name} (exit {done.returncode}): "

@@ -14,8 +14,9 @@ kiln -O2, in one scratch A/B with the kernel's first version (3.5 ms at 64 x
 
 It is a compiled artifact like Inductor's kernels (``kiln.native``): built
 when a CPU entry is compiled, kept in the Inductor cache, loaded at a warm
-start with ``ctypes``. fp32 only: other dtypes, and
-shapes past the kernel's limits, keep the torch path.
+start with ``ctypes``. fp32 and bf16 (widened to fp32 as they are loaded,
+scores and sums in fp32): other dtypes, and shapes past the kernel's limits,
+keep the torch path.
 """
 
 from __future__ import annotations
@@ -64,25 +65,27 @@ class PagedDecodeKernel:
     def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))
-        fn = lib.kiln_paged_decode_f32
         p, i = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [p, i, p, p, p, i, p, p, p, i, i, i, i, i, i, ctypes.c_float, i, i, i]
-        fn.restype = ctypes.c_int
-        self._fn = fn
-        write = lib.kiln_write_kv_f32
-        write.argtypes = [p, i, p, i, p, i, p, p, i, i]
+        self._fns = {}
+        for dtype, name in _DTYPES.items():
+            fn = getattr(lib, f"kiln_paged_decode_{name}")
+            fn.argtypes = [p, i, p, p, p, i, p, p, p, i, i, i, i, i, i, ctypes.c_float, i, i, i]
+            fn.restype = ctypes.c_int
+            self._fns[dtype] = fn
+        write = lib.kiln_write_kv
+        write.argtypes = [p, i, p, i, p, i, p, p, i, i, i]
         write.restype = ctypes.c_int
         self._write = write
 
     def supports(self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> bool:
-        """Whether this call can run here: fp32 CPU tensors within the limits,
-        each row's heads side by side (rows may be strided). Asked on every
-        layer, so written as plain comparisons (a generator over the tensors
-        cost 20 us a call)."""
+        """Whether this call can run here: CPU tensors of one dtype the kernel
+        has (fp32, bf16) within the limits, each row's heads side by side
+        (rows may be strided). Asked on every layer, so written as plain
+        comparisons (a generator over the tensors cost 20 us a call)."""
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads, block_size = kv_cache.shape[-2], kv_cache.shape[2]
-        f32 = torch.float32
-        return (query.dtype == f32 and out.dtype == f32 and kv_cache.dtype == f32 and query.is_cpu and out.is_cpu
+        dtype = query.dtype
+        return (dtype in _DTYPES and out.dtype == dtype and kv_cache.dtype == dtype and query.is_cpu and out.is_cpu
                 and query.stride(2) == 1 and out.stride(2) == 1 and query.stride(1) == head_dim
                 and out.stride(1) == head_dim and kv_cache.is_contiguous()
                 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_QUERY_HEADS_PER_ITEM
@@ -91,18 +94,19 @@ class PagedDecodeKernel:
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> bool:
         """Write ``key``/``value`` rows ([T, KV, D]) into ``kv_cache`` at
         ``slots`` ([T] int64, every one a real slot) when the tensors suit the
-        kernel (fp32 CPU, heads side by side, the cache contiguous); False
-        otherwise, for the caller's torch path."""
+        kernel (one dtype of fp32 and bf16, CPU, heads side by side, the cache
+        contiguous); False otherwise, for the caller's torch path."""
         kv, d = key.shape[1], key.shape[2]
-        f32 = torch.float32
-        if not (key.dtype == f32 and value.dtype == f32 and kv_cache.dtype == f32 and key.is_cpu
+        dtype = kv_cache.dtype
+        if not (dtype in _DTYPES and key.dtype == dtype and value.dtype == dtype and key.is_cpu
                 and key.stride(2) == 1 and value.stride(2) == 1 and key.stride(1) == d and value.stride(1) == d
                 and kv_cache.is_contiguous() and slots.dtype == torch.int64 and slots.is_contiguous()):
             return False
         num_slots = kv_cache.shape[1] * kv_cache.shape[2]
         half = num_slots * kv * d * kv_cache.element_size()
         rc = self._write(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr(),
-                         key.shape[0], kv_cache.data_ptr(), kv_cache.data_ptr() + half, kv * d, num_slots)
+                         key.shape[0], kv_cache.data_ptr(), kv_cache.data_ptr() + half, kv * d, num_slots,
+                         kv_cache.element_size())
         if rc != 0:
             raise IndexError(f"a KV-cache slot of {slots.tolist()} is outside the cache's {num_slots} slots")
         return True
@@ -117,7 +121,7 @@ class PagedDecodeKernel:
         num_heads, head_dim = query.shape[1], query.shape[2]
         key, value = kv_cache[0], kv_cache[1]
         num_kv_heads, block_size = key.shape[2], key.shape[1]
-        rc = self._fn(query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(),
+        rc = self._fns[query.dtype](query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(),
                       batch.block_table.data_ptr(), batch.block_table.stride(0), batch.seq_lens.data_ptr(),
                       batch.rows.data_ptr(), out.data_ptr(), out.stride(0), num_b, num_heads, num_kv_heads,
                       head_dim, block_size, float(scale), int(sliding_window),
@@ -126,6 +130,9 @@ class PagedDecodeKernel:
         if rc != 0:
             raise RuntimeError(f"{self.path.name} refused heads={num_heads} kv_heads={num_kv_heads} "
                                f"head_dim={head_dim} block_size={block_size}")
+
+
+_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the kernel's entry points, by dtype
 
 
 @functools.lru_cache(maxsize=256)

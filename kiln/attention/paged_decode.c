@@ -1,10 +1,14 @@
-/* Single-query (decode) attention over kiln's paged KV cache, fp32, for CPUs.
+/* Single-query (decode) attention over kiln's paged KV cache, fp32 or bf16, for CPUs.
  *
  * Built by kiln.attention.cpu_decode with the machine's C compiler (-O3
  * -march=native -fopenmp) and called through ctypes by the torch attention
  * backend. It reads each request's keys and values where they lie in the
  * cache, block by block, with an online softmax, instead of gathering them
  * into a padded copy for SDPA.
+ *
+ * bf16 (kiln_paged_decode_bf16): query, keys, values and output in bf16, each
+ * value widened to fp32 as it is loaded (a shift), scores, softmax and sums in
+ * fp32, the output rounded once; the same loops otherwise.
  *
  * Layouts (all contiguous unless a stride is given):
  *   query, out    rows of [H, D]; row b's data at ptr + rows[b] * stride
@@ -31,6 +35,26 @@
 #define KILN_MAX_HEADS 32  /* query heads of one work item (kept on the stack) */
 #define KILN_MAX_DIM 256
 #define KILN_MAX_BLOCK 128
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);  /* NaN stays NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* Element i of a row of fp32 (bf16 == 0) or bf16 values. */
+static inline float elem(const void *p, int64_t i, const int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
 
 /* exp(x) for x <= 0 (a score minus its running maximum), written so that the
    compiler vectorises it: x = n ln2 + f, exp(x) = 2^n p(f). */
@@ -61,20 +85,29 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
-static inline float dot(const float *a, const float *b, int64_t n) {
+/* 8 values of a row as fp32 lanes. */
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 load8(const void *p, int64_t i, const int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)p + i);
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#endif
+
+/* a[0:n] . b[0:n], a fp32, b fp32 or bf16 */
+static inline __attribute__((always_inline)) float dot(const float *a, const void *b, int64_t n, const int bf16) {
 #if defined(__AVX2__) && defined(__FMA__)
     if ((n & 15) == 0) {  /* two accumulators: the FMA latency is not the limit */
         __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
         for (int64_t d = 0; d < n; d += 16) {
-            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
-            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load8(b, d, bf16), s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), load8(b, d + 8, bf16), s1);
         }
         return hsum8(_mm256_add_ps(s0, s1));
     }
 #endif
     float s = 0.f;
-    #pragma omp simd reduction(+:s)
-    for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
+    for (int64_t d = 0; d < n; ++d) s += a[d] * elem(b, d, bf16);
     return s;
 }
 
@@ -82,27 +115,29 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 
 /* s[j] += q[0:64] . k_j[0:64] for rows j in [lo, hi), q held in registers
    (the loops over 8 vectors unroll fully at -O3). */
-static inline void scores64(const float *q, const float *k, int64_t stride, int64_t lo, int64_t hi, float *s) {
+static inline __attribute__((always_inline)) void scores64(const float *q, const void *k, int64_t stride, int64_t lo,
+                                                           int64_t hi, float *s, const int bf16) {
     __m256 qv[8];
     for (int i = 0; i < 8; ++i) qv[i] = _mm256_loadu_ps(q + 8 * i);
     for (int64_t j = lo; j < hi; ++j) {
-        const float *r = k + j * stride;
-        __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(r)), b = _mm256_mul_ps(qv[1], _mm256_loadu_ps(r + 8));
+        const int64_t r = j * stride;
+        __m256 a = _mm256_mul_ps(qv[0], load8(k, r, bf16)), b = _mm256_mul_ps(qv[1], load8(k, r + 8, bf16));
         for (int i = 2; i < 8; i += 2) {  /* two chains: the FMA latency is not the limit */
-            a = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(r + 8 * i), a);
-            b = _mm256_fmadd_ps(qv[i + 1], _mm256_loadu_ps(r + 8 * i + 8), b);
+            a = _mm256_fmadd_ps(qv[i], load8(k, r + 8 * i, bf16), a);
+            b = _mm256_fmadd_ps(qv[i + 1], load8(k, r + 8 * i + 8, bf16), b);
         }
         s[j] += hsum8(_mm256_add_ps(a, b));
     }
 }
 
 /* acc[0:64] += sum_j p[j] v_j[0:64] for rows j in [lo, hi), acc held in registers. */
-static inline void weighted64(const float *p, const float *v, int64_t stride, int64_t lo, int64_t hi, float *acc) {
+static inline __attribute__((always_inline)) void weighted64(const float *p, const void *v, int64_t stride, int64_t lo,
+                                                             int64_t hi, float *acc, const int bf16) {
     __m256 av[8];
     for (int i = 0; i < 8; ++i) av[i] = _mm256_loadu_ps(acc + 8 * i);
     for (int64_t j = lo; j < hi; ++j) {
         const __m256 w = _mm256_set1_ps(p[j]);
-        for (int i = 0; i < 8; ++i) av[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + j * stride + 8 * i), av[i]);
+        for (int i = 0; i < 8; ++i) av[i] = _mm256_fmadd_ps(w, load8(v, j * stride + 8 * i, bf16), av[i]);
     }
     for (int i = 0; i < 8; ++i) _mm256_storeu_ps(acc + 8 * i, av[i]);
 }
@@ -111,13 +146,15 @@ static inline void weighted64(const float *p, const float *v, int64_t stride, in
 #define KILN_BLOCKED 0
 #endif
 
-/* Returns 0, or -1 when the shapes exceed the limits above (nothing written). */
-int kiln_paged_decode_f32(const float *query, int64_t q_stride, const float *key, const float *value,
-                          const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
-                          const int64_t *rows, float *out, int64_t out_stride,
-                          int64_t B, int64_t H, int64_t KV, int64_t D, int64_t bs,
-                          float scale, int64_t window, int64_t heads_per_item, int64_t threads)
+/* Returns 0, or -1 when the shapes exceed the limits above (nothing written).
+ * Strides are in elements; bf16: every tensor holds bf16 values. */
+static inline __attribute__((always_inline)) int paged_decode(
+        const void *query, int64_t q_stride, const void *key, const void *value, const int32_t *block_table,
+        int64_t bt_stride, const int32_t *seq_lens, const int64_t *rows, void *out, int64_t out_stride, int64_t B,
+        int64_t H, int64_t KV, int64_t D, int64_t bs, float scale, int64_t window, int64_t heads_per_item,
+        int64_t threads, const int bf16)
 {
+    const size_t esize = bf16 ? 2 : 4;
     const int64_t group = KV > 0 ? H / KV : 0;
     if (group < 1 || group * KV != H || D > KILN_MAX_DIM || bs > KILN_MAX_BLOCK || heads_per_item < 1
         || KV % heads_per_item != 0 || heads_per_item * group > KILN_MAX_HEADS) return -1;
@@ -131,29 +168,29 @@ int kiln_paged_decode_f32(const float *query, int64_t q_stride, const float *key
             const int64_t len = seq_lens[b];
             const int64_t start = (window > 0 && len > window) ? len - window : 0;
             const int64_t kh0 = c * heads_per_item;
-            const float *qh = query + rows[b] * q_stride + kh0 * group * D;
-            float *oh = out + rows[b] * out_stride + kh0 * group * D;
+            const int64_t qh = rows[b] * q_stride + kh0 * group * D;  /* element offsets */
+            const int64_t oh = rows[b] * out_stride + kh0 * group * D;
             float qs[KILN_MAX_HEADS * KILN_MAX_DIM], acc[KILN_MAX_HEADS * KILN_MAX_DIM];
             float m[KILN_MAX_HEADS], l[KILN_MAX_HEADS], s[KILN_MAX_HEADS][KILN_MAX_BLOCK];
-            for (int64_t i = 0; i < nq * D; ++i) { qs[i] = qh[i] * scale; acc[i] = 0.f; }
+            for (int64_t i = 0; i < nq * D; ++i) { qs[i] = elem(query, qh + i, bf16) * scale; acc[i] = 0.f; }
             for (int64_t h = 0; h < nq; ++h) { m[h] = -3.0e38f; l[h] = 0.f; }
             const int32_t *bt = block_table + b * bt_stride;
             for (int64_t p0 = start - start % bs; p0 < len; p0 += bs) {
                 const int64_t blk = bt[p0 / bs];
                 const int64_t lo = p0 < start ? start - p0 : 0;
                 const int64_t hi = len - p0 < bs ? len - p0 : bs;
-                const float *kb = key + blk * bs * pos_stride + kh0 * D;
-                const float *vb = value + blk * bs * pos_stride + kh0 * D;
+                const char *kb = (const char *)key + (blk * bs * pos_stride + kh0 * D) * esize;
+                const char *vb = (const char *)value + (blk * bs * pos_stride + kh0 * D) * esize;
                 if (blocked) {  /* per head, its query in registers across the block's rows */
                     for (int64_t h = 0; h < nq; ++h) {
                         for (int64_t j = lo; j < hi; ++j) s[h][j] = 0.f;
                         for (int64_t d0 = 0; d0 < D; d0 += 64)
-                            scores64(qs + h * D + d0, kb + (h / group) * D + d0, pos_stride, lo, hi, s[h]);
+                            scores64(qs + h * D + d0, kb + ((h / group) * D + d0) * esize, pos_stride, lo, hi, s[h], bf16);
                     }
                 } else {
                     for (int64_t j = lo; j < hi; ++j)
                         for (int64_t h = 0; h < nq; ++h)
-                            s[h][j] = dot(qs + h * D, kb + j * pos_stride + (h / group) * D, D);
+                            s[h][j] = dot(qs + h * D, kb + (j * pos_stride + (h / group) * D) * esize, D, bf16);
                 }
                 for (int64_t h = 0; h < nq; ++h) {  /* online softmax: rescale what came before */
                     float mx = m[h];
@@ -171,41 +208,64 @@ int kiln_paged_decode_f32(const float *query, int64_t q_stride, const float *key
                 if (blocked) {  /* per head, its accumulator in registers across the block's rows */
                     for (int64_t h = 0; h < nq; ++h)
                         for (int64_t d0 = 0; d0 < D; d0 += 64)
-                            weighted64(s[h], vb + (h / group) * D + d0, pos_stride, lo, hi, acc + h * D + d0);
+                            weighted64(s[h], vb + ((h / group) * D + d0) * esize, pos_stride, lo, hi, acc + h * D + d0,
+                                       bf16);
                 } else {
                     for (int64_t j = lo; j < hi; ++j)
                         for (int64_t h = 0; h < nq; ++h) {
-                            const float *v = vb + j * pos_stride + (h / group) * D;
+                            const void *v = vb + (j * pos_stride + (h / group) * D) * esize;
                             const float p = s[h][j];
                             float *ah = acc + h * D;
-                            #pragma omp simd
-                            for (int64_t d = 0; d < D; ++d) ah[d] += p * v[d];
+                            for (int64_t d = 0; d < D; ++d) ah[d] += p * elem(v, d, bf16);
                         }
                 }
             }
             for (int64_t h = 0; h < nq; ++h) {
                 const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-                #pragma omp simd
-                for (int64_t d = 0; d < D; ++d) oh[h * D + d] = acc[h * D + d] * inv;
+                for (int64_t d = 0; d < D; ++d) {
+                    const float o = acc[h * D + d] * inv;
+                    if (bf16) ((uint16_t *)out)[oh + h * D + d] = f32_to_bf16(o);
+                    else ((float *)out)[oh + h * D + d] = o;
+                }
             }
         }
     }
     return 0;
 }
 
+int kiln_paged_decode_f32(const float *query, int64_t q_stride, const float *key, const float *value,
+                          const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
+                          const int64_t *rows, float *out, int64_t out_stride,
+                          int64_t B, int64_t H, int64_t KV, int64_t D, int64_t bs,
+                          float scale, int64_t window, int64_t heads_per_item, int64_t threads)
+{
+    return paged_decode(query, q_stride, key, value, block_table, bt_stride, seq_lens, rows, out, out_stride, B, H,
+                        KV, D, bs, scale, window, heads_per_item, threads, 0);
+}
+
+int kiln_paged_decode_bf16(const uint16_t *query, int64_t q_stride, const uint16_t *key, const uint16_t *value,
+                           const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
+                           const int64_t *rows, uint16_t *out, int64_t out_stride,
+                           int64_t B, int64_t H, int64_t KV, int64_t D, int64_t bs,
+                           float scale, int64_t window, int64_t heads_per_item, int64_t threads)
+{
+    return paged_decode(query, q_stride, key, value, block_table, bt_stride, seq_lens, rows, out, out_stride, B, H,
+                        KV, D, bs, scale, window, heads_per_item, threads, 1);
+}
+
 /* Write n tokens' keys and values ([n, KV, D] rows, row strides in elements,
  * heads side by side) into the cache at their slots (block * block_size +
- * offset): one copy of KV * D floats per token and tensor. What index_copy_
- * does, without its per-call cost (about 20 us a tensor, twice a layer). */
-int kiln_write_kv_f32(const float *key, int64_t k_stride, const float *value, int64_t v_stride,
-                      const int64_t *slots, int64_t n, float *key_cache, float *value_cache, int64_t row,
-                      int64_t num_slots)
+ * offset): one copy of KV * D elements of esize bytes per token and tensor.
+ * What index_copy_ does, without its per-call cost (about 20 us a tensor,
+ * twice a layer). */
+int kiln_write_kv(const void *key, int64_t k_stride, const void *value, int64_t v_stride, const int64_t *slots,
+                  int64_t n, void *key_cache, void *value_cache, int64_t row, int64_t num_slots, int64_t esize)
 {
     for (int64_t t = 0; t < n; ++t)
         if (slots[t] < 0 || slots[t] >= num_slots) return -1;
     for (int64_t t = 0; t < n; ++t) {
-        memcpy(key_cache + slots[t] * row, key + t * k_stride, sizeof(float) * row);
-        memcpy(value_cache + slots[t] * row, value + t * v_stride, sizeof(float) * row);
+        memcpy((char *)key_cache + slots[t] * row * esize, (const char *)key + t * k_stride * esize, esize * row);
+        memcpy((char *)value_cache + slots[t] * row * esize, (const char *)value + t * v_stride * esize, esize * row);
     }
     return 0;
 }

@@ -24,6 +24,7 @@ same code.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +32,14 @@ import torch
 
 from kiln.native import KernelBuildError, NativeSource
 
-__all__ = ["DENSE_KINDS", "MAX_ROWS", "CpuLinearKernel", "KernelBuildError", "SOURCE", "cpu_linear", "load",
-           "dense_kind", "implementation", "takes_piece_linear"]
+__all__ = ["DENSE_KINDS", "MAX_ROWS", "PACKED_KINDS", "CpuLinearKernel", "KernelBuildError", "LinearPolicy", "SOURCE",
+           "cpu_linear", "dense_kind", "implementation", "load"]
 
 SOURCE = NativeSource(Path(__file__).with_name("cpu_linear.c"), "cpu-linear")
 MAX_ROWS = 8  # KILN_MAX_ROWS: activation rows one call takes
 MAX_K = 65536  # KILN_MAX_K
 _KINDS = {"f32": 0, "bf16": 1, "int8": 2, "q8_0": 3, "q4": 4}  # enum in cpu_linear.c
+PACKED_KINDS = ("int8", "q8_0", "q4")
 DENSE_KINDS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
@@ -47,17 +49,32 @@ def dense_kind(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> str | None:
     return DENSE_KINDS.get(x_dtype) if x_dtype == weight_dtype else None
 
 
-def takes_piece_linear(kind: str, tokens: int) -> bool:
-    """Whether a few-token piece of ``tokens`` rows calls the kernel for a
-    linear of ``kind``: bf16 at any count, the others from two tokens on. At
-    one token Inductor's reductions, fused into the piece, do as well as the
-    kernel for fp32 (they stream the weight at the machine's bandwidth) and for
-    the packed formats (both are bound by unpacking, not memory), and a call
-    costs 15-20 us more; whole decode steps of the 135M shape, one run taking
-    turns: fp32 20.8-21.3 tok/s that way against 17.7-19.3 with the kernel,
-    int8 36.8-41.4 against 28.4-32.5; bf16 24.5-28.7 with it against
-    21.3-22.7."""
-    return kind == "bf16" or tokens >= 2
+@dataclass(frozen=True)
+class LinearPolicy:
+    """Which linears of a few-token CPU piece call the kernel, given the
+    instruction set it was built with (``CpuLinearKernel.isa``): bf16 at any
+    count, every kind from two tokens on, and at one token the packed kinds
+    where the kernel has AVX-512. Elsewhere at one token Inductor's reductions,
+    fused into the piece, do as well as the kernel and save a call's 15-20 us.
+
+    Whole decode steps of the 135M shape at one token, kiln -O2 (scratch
+    runs, 63 new tokens, fresh processes one after another):
+
+    - AVX2 (an AMD EPYC): fp32 20.8-21.3 tok/s in Inductor against 17.7-19.3
+      with the kernel, int8 36.8-41.4 against 28.4-32.5, bf16 24.5-28.7 with
+      the kernel against 21.3-22.7;
+    - AVX-512 with AVX512-BF16 (an Intel Xeon): fp32 36.6-40.9 in Inductor
+      against 33.4-36.2 with the kernel; int8 22.0-22.6 in Inductor against
+      63.0-63.6 with the kernel, whose 16-lane unpacking Inductor's loop does
+      not match."""
+
+    isa: str  # "avx512-bf16", "avx512" or "avx2"
+
+    def takes(self, kind: str, tokens: int) -> bool:
+        """Whether a piece of ``tokens`` rows calls the kernel for a linear of ``kind``."""
+        if kind == "bf16" or tokens >= 2:
+            return True
+        return kind in PACKED_KINDS and self.isa.startswith("avx512")
 
 
 class CpuLinearKernel:
@@ -65,7 +82,12 @@ class CpuLinearKernel:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        fn = ctypes.CDLL(str(path)).kiln_linear
+        library = ctypes.CDLL(str(path))
+        isa = library.kiln_linear_isa
+        isa.restype = ctypes.c_char_p
+        self.isa: str = isa().decode()  # "avx512-bf16", "avx512" or "avx2": the vectors it was built with
+        self.policy = LinearPolicy(self.isa)
+        fn = library.kiln_linear
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         fn.argtypes = [i32, p, i32, i64, i64, p, p, p, i64, i64, p, p, i32, i64, i32]
         fn.restype = ctypes.c_int

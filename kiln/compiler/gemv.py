@@ -10,9 +10,10 @@ bench/results/gemv-cpu-latest.json). So exact-size pieces at small token counts 
 The range runnable and larger sizes keep ``mm``, which wins once several rows
 share each weight load. Where kiln's C linear kernel is built
 (``kiln.compiler.cpu_linear``: AVX2 and FMA), the few-token pieces call it for
-the linears it does better (bf16 at any count, every dtype from two tokens
-on: Inductor's reduction runs the rows of a 2- or 4-token piece one after
-another), and it is the LM head, the largest matrix of a small model, which
+the linears it does better (``LinearPolicy``: bf16 at any count, every dtype
+from two tokens on, since Inductor's reduction runs the rows of a 2- or
+4-token piece one after another, and the packed formats at one token where
+it has AVX-512), and it is the LM head, the largest matrix of a small model, which
 runs outside the traced graph. Without the kernel, ``logits_head_graph`` is the
 head's reduction form, compiled per number of sampled rows.
 
@@ -31,7 +32,7 @@ import torch
 from torch import fx
 from torch.fx.proxy import GraphAppendingTracer
 
-from kiln.compiler.cpu_linear import cpu_linear, dense_kind, takes_piece_linear
+from kiln.compiler.cpu_linear import LinearPolicy, cpu_linear, dense_kind
 from kiln.models.quant import FORMATS, QuantFormat, packed_linear, quantized_linear
 
 __all__ = ["CPU_GEMV_MAX_TOKENS", "decompose_linears", "logits_head_graph", "lower_quantized", "packed_head_graph"]
@@ -42,18 +43,19 @@ __all__ = ["CPU_GEMV_MAX_TOKENS", "decompose_linears", "logits_head_graph", "low
 CPU_GEMV_MAX_TOKENS = 4
 
 
-def decompose_linears(gm: fx.GraphModule, native_tokens: int | None = None) -> tuple[fx.GraphModule, int]:
-    """A copy of ``gm`` whose linears are written for few-token CPU pieces, and
-    how many were rewritten. ``native_tokens``: the piece's token count, when
-    the C kernel is there: linears become its calls (``kiln::cpu_linear``)
-    where it takes their dtypes at that count
-    (``cpu_linear.takes_piece_linear``), the rest as below;
+def decompose_linears(gm: fx.GraphModule, tokens: int, policy: LinearPolicy | None = None,
+                      ) -> tuple[fx.GraphModule, int]:
+    """A copy of ``gm`` (a piece of ``tokens`` rows) whose linears are written
+    for few-token CPU pieces, and how many were rewritten. ``policy``: the C
+    kernel's, when it is there: linears become its calls
+    (``kiln::cpu_linear``) where it takes their kind at that count
+    (``LinearPolicy.takes``), the rest as below;
     otherwise ``linear(x, w, b)`` as ``(x.unsqueeze(-2) * w).sum(-1) + b`` and
     packed linears as their unpacking reduction. ``gm`` itself is left as it
     is. The rewrite uses plain torch calls and ops, not a helper function, so
     that Inductor's caches can still serialise the piece."""
     graph = copy.deepcopy(gm.graph)  # node by node; metadata is shared, not copied
-    rewritten = _native_linears(graph, native_tokens) if native_tokens else 0
+    rewritten = _native_linears(graph, tokens, policy) if policy is not None else 0
     rewritten += _lower_quantized_nodes(graph, as_reduction=True)
     for node in list(graph.nodes):
         if not _is_dense_linear(node):
@@ -93,12 +95,12 @@ def _dtype(node: object) -> torch.dtype | None:
     return value.dtype if isinstance(value, torch.Tensor) else None
 
 
-def _native_linears(graph: fx.Graph, tokens: int) -> int:
+def _native_linears(graph: fx.Graph, tokens: int, policy: LinearPolicy) -> int:
     """Replace the dense and packed linears the C kernel takes at ``tokens``
     rows by ``kiln::cpu_linear`` calls; returns how many."""
     count = 0
     for node in list(graph.nodes):
-        args = _native_args(node, tokens)
+        args = _native_args(node, tokens, policy)
         if args is None:
             continue
         with graph.inserting_before(node):
@@ -108,7 +110,7 @@ def _native_linears(graph: fx.Graph, tokens: int) -> int:
     return count
 
 
-def _native_args(node: fx.Node, tokens: int) -> tuple[object, ...] | None:
+def _native_args(node: fx.Node, tokens: int, policy: LinearPolicy) -> tuple[object, ...] | None:
     """The op's arguments ``(x, weight, scales, offsets, bias, kind)`` for a
     linear node the kernel takes, else None."""
     if _is_dense_linear(node):
@@ -122,7 +124,7 @@ def _native_args(node: fx.Node, tokens: int) -> tuple[object, ...] | None:
         args = (x, words, scales, offsets, bias, kind)
     else:
         return None
-    if kind is None or not takes_piece_linear(kind, tokens) or (bias is not None and _dtype(bias) != _dtype(x)):
+    if kind is None or not policy.takes(kind, tokens) or (bias is not None and _dtype(bias) != _dtype(x)):
         return None
     return args
 

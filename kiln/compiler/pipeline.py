@@ -19,7 +19,7 @@ from torch import fx, nn
 
 from kiln.attention.cpu_decode import PagedDecodeKernel
 from kiln.compiler.capture import CapturedGraph, GraphInput, capture
-from kiln.compiler.cpu_linear import DENSE_KINDS, CpuLinearKernel, dense_kind
+from kiln.compiler.cpu_linear import DENSE_KINDS, CpuLinearKernel, LinearPolicy, dense_kind
 from kiln.compiler.gemv import (
     CPU_GEMV_MAX_TOKENS, decompose_linears, logits_head_graph, lower_quantized, packed_head_graph,
 )
@@ -190,11 +190,11 @@ Install = Callable[[Any], None]  # puts a job's compiled artifact where the mode
 
 def _piece_jobs(
     split: SplitGraph, unique: dict[str, tuple[Piece, BucketedPiece]], example_args: Callable[[int], list[Any]],
-    sizes: list[int], max_num_tokens: int, device: torch.device, native: bool,
+    sizes: list[int], max_num_tokens: int, device: torch.device, policy: LinearPolicy | None,
 ) -> list[tuple[CompileJob, Install]]:
     """Each unique piece for the range, then for each exact size (with example
-    inputs recorded from an eager run of that size); ``native``: the few-token
-    CPU pieces call the C linear kernel."""
+    inputs recorded from an eager run of that size); ``policy``: the C linear
+    kernel's, whose few-token CPU pieces call it where it says."""
     index_of = {sig: i for i, sig in enumerate(unique)}
     jobs: list[tuple[CompileJob, Install]] = []
     for sig, (piece, runnables) in unique.items():
@@ -207,7 +207,7 @@ def _piece_jobs(
         for sig, (piece, runnables) in unique.items():
             gm = piece.graph_module
             if device.type == "cpu" and n <= CPU_GEMV_MAX_TOKENS:
-                gm, _ = decompose_linears(gm, native_tokens=n if native else None)
+                gm, _ = decompose_linears(gm, n, policy)
             else:
                 gm = lower_quantized(gm)
             jobs.append((CompileJob(f"piece {index_of[sig]} [{n}]", gm, recorded[piece.name], dynamic=False),
@@ -308,7 +308,8 @@ def compile_traced(
         return bind(torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, dtype=torch.long, device=device))
 
     logits_heads: dict[int, Callable[..., Any]] = {}
-    jobs = _piece_jobs(split, unique, example_args, sizes, max_num_tokens, device, native=linear_kernel is not None)
+    jobs = _piece_jobs(split, unique, example_args, sizes, max_num_tokens, device,
+                       linear_kernel.policy if linear_kernel is not None else None)
     _run_jobs(jobs + _head_jobs(model, head_sizes, device, logits_heads), config, device, stats, progress)
     stats.phases["compile"] = round(time.perf_counter() - t0, 4)
     logger.info(

@@ -15,10 +15,37 @@ from kiln.compiler.gemv import decompose_linears
 from kiln.models.quant import FORMATS, dequantize, pack, quantize_int8, quantized_linear
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory: pytest.TempPathFactory) -> cpu_linear.CpuLinearKernel:
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+
+
+# Every build of the kernel this CPU runs: the native one, and the narrower
+# code paths a CPU without AVX512-BF16 or without AVX-512 gets.
+_BUILDS = [("native", ())]
+if {"avx512f", "avx512_bf16"} <= _cpu_flags():
+    _BUILDS.append(("no-bf16-dot", ("-mno-avx512bf16",)))
+if "avx512f" in _cpu_flags():
+    _BUILDS.append(("avx2", ("-mno-avx512f",)))
+
+
+@pytest.fixture(scope="module", params=_BUILDS, ids=[name for name, _ in _BUILDS])
+def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> cpu_linear.CpuLinearKernel:
     root = tmp_path_factory.mktemp("inductor")
-    return cpu_linear.load(root / cpu_linear.SOURCE.build(root))
+    name, flags = request.param
+    built = cpu_linear.CpuLinearKernel(root / cpu_linear.SOURCE.build(root, flags))
+    if name == "avx2":
+        assert built.isa == "avx2"
+    elif name == "no-bf16-dot":
+        assert built.isa == "avx512"
+    return built
+
+
+def test_the_native_build_uses_the_widest_vectors_this_cpu_has(tmp_path) -> None:
+    built = cpu_linear.CpuLinearKernel(tmp_path / cpu_linear.SOURCE.build(tmp_path))
+    flags = _cpu_flags()
+    want = ("avx512-bf16" if "avx512_bf16" in flags else "avx512") if "avx512f" in flags else "avx2"
+    assert built.isa == want
 
 
 def _blocks(w: torch.Tensor, bits: int) -> QuantizedTensor:
@@ -45,10 +72,11 @@ def test_fp32_equals_linear(kernel, rows: int, k: int) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 8])
-def test_bf16_accumulates_in_fp32_and_rounds_once(kernel, rows: int) -> None:
+@pytest.mark.parametrize("k", [96, 200, 50])  # past the last vector of 64 and of 32 bf16 values
+def test_bf16_accumulates_in_fp32_and_rounds_once(kernel, rows: int, k: int) -> None:
     torch.manual_seed(rows)
-    x = torch.randn(rows, 96).to(torch.bfloat16)
-    w = torch.randn(50, 96).to(torch.bfloat16)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    w = torch.randn(50, k).to(torch.bfloat16)
     b = torch.randn(50).to(torch.bfloat16)
     got = kernel(x, w, None, None, b, "bf16")
     assert got.dtype == torch.bfloat16
@@ -87,6 +115,7 @@ def test_rows_of_any_shape_and_strides(kernel) -> None:
 
 
 def test_the_op_runs_the_loaded_kernel_and_has_a_fake(kernel) -> None:
+    cpu_linear.load(kernel.path)
     x, w = torch.randn(2, 16), torch.randn(8, 16)
     torch.testing.assert_close(cpu_linear.cpu_linear(x, w, None, None, None, "f32"), F.linear(x, w),
                                atol=1e-5, rtol=1e-5)
@@ -122,17 +151,20 @@ def _graph(dtype: torch.dtype, tokens: int, packed: bool) -> fx.GraphModule:
     return fx.GraphModule(torch.nn.Module(), graph)
 
 
-@pytest.mark.parametrize("dtype, tokens, packed, calls", [
-    (torch.float32, 1, True, 0),  # Inductor's fused reductions at one token, fp32 and packed
-    (torch.float32, 2, True, 2),
-    (torch.bfloat16, 1, False, 1),  # bf16 always
-    (torch.float16, 2, False, 0),  # a dtype the kernel does not take
+@pytest.mark.parametrize("isa, dtype, tokens, packed, calls", [
+    ("avx2", torch.float32, 1, True, 0),  # Inductor's fused reductions at one token, fp32 and packed
+    ("avx512", torch.float32, 1, True, 1),  # with AVX-512 the kernel unpacks faster: the packed linear calls it
+    ("avx512-bf16", torch.float32, 1, False, 0),  # fp32 at one token stays in Inductor everywhere
+    ("avx2", torch.float32, 2, True, 2),
+    ("avx2", torch.bfloat16, 1, False, 1),  # bf16 always
+    ("avx512", torch.float16, 2, False, 0),  # a dtype the kernel does not take
 ])
-def test_the_rewrite_calls_the_kernel_where_it_pays(dtype, tokens: int, packed: bool, calls: int) -> None:
-    gm, rewritten = decompose_linears(_graph(dtype, tokens, packed), native_tokens=tokens)
+def test_the_rewrite_calls_the_kernel_where_it_pays(isa: str, dtype, tokens: int, packed: bool, calls: int) -> None:
+    policy = cpu_linear.LinearPolicy(isa)
+    gm, rewritten = decompose_linears(_graph(dtype, tokens, packed), tokens, policy)
     ops = [n for n in gm.graph.nodes if n.target is cpu_linear.cpu_linear]
     assert len(ops) == calls
     assert rewritten == 1 + packed  # every linear is rewritten, as the kernel's call or as a reduction
     assert not any(n.target in (F.linear, quantized_linear) for n in gm.graph.nodes)
-    without, _ = decompose_linears(_graph(dtype, tokens, packed))
+    without, _ = decompose_linears(_graph(dtype, tokens, packed), tokens)
     assert not any(n.target is cpu_linear.cpu_linear for n in without.graph.nodes)

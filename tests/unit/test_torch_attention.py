@@ -136,9 +136,29 @@ def test_the_c_decode_kernel_equals_dense_attention(decode_kernel, q_lens, seq_l
     torch.testing.assert_close(out, _dense(kv_cache, common, query, window, 0.3), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("kv_heads, group, head_dim", [(2, 3, 8), (3, 3, 64), (1, 4, 128)])
+@pytest.mark.parametrize("q_lens, seq_lens", [([1], [13]), ([1, 1, 6, 1, 1], [12, 5, 10, 20, 2])])
+def test_the_c_decode_kernel_in_bf16_equals_fp32_attention_of_the_same_values(
+        decode_kernel, q_lens, seq_lens, window: int, kv_heads: int, group: int, head_dim: int) -> None:
+    kv_cache, common, query, key, value = _step(q_lens, seq_lens, seed=5, kv_heads=kv_heads, group=group,
+                                                head_dim=head_dim)
+    kv_cache, query, key, value = (t.to(torch.bfloat16) for t in (kv_cache, query, key, value))
+    backend = TorchAttentionBackend().with_decode_kernel(decode_kernel)
+    out = torch.full_like(query, float("nan"))
+    assert decode_kernel.supports(query, kv_cache, out)
+    backend.forward(query, key, value, out, kv_cache, backend.build_metadata(common), 0.3, window)
+    decodes = [int(common.query_start_loc_cpu[i]) for i, n in enumerate(q_lens) if n == 1]
+    # every score and sum in fp32 from the bf16 values, the output rounded once
+    want = _dense(kv_cache.float(), common, query.float(), window, 0.3)
+    torch.testing.assert_close(out[decodes].float(), want[decodes].to(torch.bfloat16).float(), atol=1e-2,
+                               rtol=2 ** -7)
+    torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=3e-2)  # the prefill rows by SDPA in bf16
+
+
 def test_the_c_decode_kernel_leaves_other_dtypes_to_the_torch_path(decode_kernel) -> None:
     kv_cache, common, query, key, value = _step([1, 1, 3], [6, 9, 3], seed=3)
-    kv_cache, query, key, value = (t.to(torch.bfloat16) for t in (kv_cache, query, key, value))
+    kv_cache, query, key, value = (t.to(torch.float16) for t in (kv_cache, query, key, value))
     backend = TorchAttentionBackend().with_decode_kernel(decode_kernel)
     out = torch.zeros_like(query)
     assert not decode_kernel.supports(query, kv_cache, out)
@@ -183,5 +203,8 @@ def test_the_c_kv_write_equals_index_copy(decode_kernel) -> None:
     assert torch.equal(got, want)
     with pytest.raises(IndexError, match="outside the cache's 24 slots"):
         decode_kernel.write_kv(key, value, got, torch.tensor([3, 17, 0, 24, 9]))
+    want16, got16 = want.to(torch.bfloat16), torch.zeros_like(want, dtype=torch.bfloat16)
+    assert decode_kernel.write_kv(key.to(torch.bfloat16), value.to(torch.bfloat16), got16, slots)
+    assert torch.equal(got16, want16)
     # what the kernel does not take is left to the torch path
     assert not decode_kernel.write_kv(key.double(), value.double(), got.double(), slots)
