@@ -8,11 +8,16 @@ at about the machine's bandwidth for one token, but runs the rows of a 2- or
 halved bytes, and unpacks quantized words through a stack copy. The C kernel
 reads each weight vector once, converts it once and multiplies it into every
 activation row, with the accumulators in registers. The 135M shape's LM head
-(49152 x 576, 2 threads, weights larger than the caches) in one run: fp32 at 1,
-2 and 4 rows 6.9, 8.8 and 7.6 ms against Inductor's 7.6, 13.6 and 27.8 ms; bf16
-3.3, 4.2 and 4.4 ms against ``mm``'s 4.8, 8.3 and 15.8 ms
-(bench/results/cpu-linear-cpu-latest.json, ``python -m bench.cpu_kernels
---only cpu-linear``).
+(49152 x 576, 2 threads, weights larger than the caches; ``python -m
+bench.cpu_kernels --only cpu-linear``):
+
+- AVX2 (an AMD EPYC; bench/results/cpu-linear-cpu-20261202-064957.json): fp32
+  at 1, 2 and 4 rows 6.9, 8.8 and 7.6 ms against Inductor's 7.6, 13.6 and 27.8
+  ms; bf16 3.3, 4.2 and 4.4 ms against ``mm``'s 4.8, 8.3 and 15.8 ms;
+- AVX-512 with AVX512-BF16 (an Intel Xeon; cpu-linear-cpu-20261202-132317.json):
+  fp32 4.5, 5.2 and 6.4 ms against Inductor's 4.7, 9.4 and 15.5 ms; bf16 2.7,
+  3.2 and 3.8 ms against ``mm``'s 4.0, 4.1 and 4.1 ms; at one row int8 2.4,
+  q8_0 2.2 and q4 1.6 ms against Inductor's 10.5, 10.9 and 6.5 ms.
 
 Inside a compiled piece the op is an extern call that Inductor schedules
 between its fused kernels; its fake implementation gives the output's shape.
