@@ -32,6 +32,25 @@ CPU_LM_HEADS = 0 if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"
 _SESSION_CACHE = Path(tempfile.mkdtemp(prefix="kiln-test-cache-"))
 os.environ["KILN_CACHE_DIR"] = str(_SESSION_CACHE)
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+# Every build of kiln's C kernels this CPU runs, as (name, flags after
+# kiln.native.FLAGS): the native one, and the narrower code a CPU without
+# AVX512-BF16, or without AVX-512, gets.
+KERNEL_BUILDS: list[tuple[str, tuple[str, ...]]] = [("native", ())]
+if {"avx512f", "avx512_bf16"} <= cpu_flags():
+    KERNEL_BUILDS.append(("no-bf16-dot", ("-mno-avx512bf16",)))
+if "avx512f" in cpu_flags():
+    KERNEL_BUILDS.append(("avx2", ("-mno-avx512f",)))
+
+
 ARCH_CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),

@@ -56,6 +56,14 @@
 #endif
 
 #define KILN_MAX_ROWS 8
+/* How far ahead of the weights being read to ask for them (into L2). A kernel
+ * that does real work per weight byte (bf16, packed) otherwise reads DRAM and
+ * computes in turn: from DRAM the int8 LM head took the time of reading it
+ * plus the time of computing it from cache (4.1 = 2.0 + 2.2 ms on one core).
+ * With the prefetch, 2 threads: int8 2.56 -> 1.29 ms, q4 1.60 -> 1.09 ms;
+ * 1 to 16 KB ahead all did about as well. */
+#define KILN_PREFETCH_AHEAD 4096
+#define prefetch_ahead(p) _mm_prefetch((const char *)(p) + KILN_PREFETCH_AHEAD, _MM_HINT_T1)
 #define KILN_MAX_K 65536
 
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_INT8 = 2, KIND_Q8_0 = 3, KIND_Q4 = 4,
@@ -126,6 +134,7 @@ static inline __attribute__((always_inline)) void NAME(                         
     int64_t c = 0;                                                                           \
     if (m <= 4)                                                                              \
         for (; c + 2 * VW <= k; c += 2 * VW) {                                               \
+            prefetch_ahead(w + c);                                                           \
             const vfloat w0 = LOADW(w + c), w1 = LOADW(w + c + VW);                          \
             _Pragma("GCC unroll 8") for (int i = 0; i < m; i++) {                            \
                 a0[i] = vfmadd(vload(x + i * k + c), w0, a0[i]);                             \
@@ -133,6 +142,7 @@ static inline __attribute__((always_inline)) void NAME(                         
             }                                                                                \
         }                                                                                    \
     for (; c + VW <= k; c += VW) {                                                           \
+        prefetch_ahead(w + c);                                                               \
         const vfloat w0 = LOADW(w + c);                                                      \
         _Pragma("GCC unroll 8") for (int i = 0; i < m; i++)                                  \
             a0[i] = vfmadd(vload(x + i * k + c), w0, a0[i]);                                 \
@@ -159,6 +169,7 @@ static inline __attribute__((always_inline)) void dense_bf16_dp(
     int64_t c = 0;
     if (m <= 4)
         for (; c + 64 <= k; c += 64) {
+            prefetch_ahead(w + c);
             const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + c), w1 = (__m512bh)_mm512_loadu_si512(w + c + 32);
             _Pragma("GCC unroll 8") for (int i = 0; i < m; i++) {
                 a0[i] = _mm512_dpbf16_ps(a0[i], (__m512bh)_mm512_loadu_si512(x + i * k + c), w0);
@@ -166,6 +177,7 @@ static inline __attribute__((always_inline)) void dense_bf16_dp(
             }
         }
     for (; c < k; c += 32) {
+        prefetch_ahead(w + c);
         const __mmask32 mask = k - c >= 32 ? 0xffffffffu : (__mmask32)((1u << (k - c)) - 1);
         const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + c);
         _Pragma("GCC unroll 8") for (int i = 0; i < m; i++)
@@ -197,6 +209,7 @@ static inline __attribute__((always_inline)) void packed_row(
         const __m512i low = _mm512_set1_epi32(15);
         for (int64_t g = 0; g < k / 64; g++) {
             const uint8_t *p = bytes + g * 32;
+            prefetch_ahead(p);
             const __m512i r0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
             const __m512i r1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16)));
             const __m512 f0 = _mm512_cvtepi32_ps(_mm512_and_si512(r0, low));
@@ -217,6 +230,7 @@ static inline __attribute__((always_inline)) void packed_row(
     } else {
         for (int64_t g = 0; g < k / 32; g++) {
             const int8_t *p = (const int8_t *)bytes + g * 32;
+            prefetch_ahead(p);
             const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
             const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
             _Pragma("GCC unroll 8") for (int i = 0; i < m; i++) {
@@ -280,6 +294,7 @@ static inline __attribute__((always_inline)) void packed_row(
     _Pragma("GCC unroll 8") for (int i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
     if (kind == KIND_Q4) {
         for (int64_t g = 0; g < k / 64; g++) {
+            prefetch_ahead(words + g * 64 / 8);
             const __m256i v = _mm256_loadu_si256((const __m256i *)(words + g * 64 / 8));
             for (int half = 0; half < 2; half++) {
                 __m256 f[4];
@@ -291,6 +306,7 @@ static inline __attribute__((always_inline)) void packed_row(
         }
     } else {
         for (int64_t g = 0; g < k / 32; g++) {
+            prefetch_ahead(words + g * 8);
             const __m256i v = _mm256_loadu_si256((const __m256i *)(words + g * 8));
             __m256 f[4];
             for (int b = 0; b < 4; b++) f[b] = byte_lane(v, b);

@@ -13,23 +13,10 @@ from kiln.checkpoint import QuantizedTensor
 from kiln.compiler import cpu_linear
 from kiln.compiler.gemv import decompose_linears
 from kiln.models.quant import FORMATS, dequantize, pack, quantize_int8, quantized_linear
+from tests.conftest import KERNEL_BUILDS, cpu_flags
 
 
-def _cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-
-
-# Every build of the kernel this CPU runs: the native one, and the narrower
-# code paths a CPU without AVX512-BF16 or without AVX-512 gets.
-_BUILDS = [("native", ())]
-if {"avx512f", "avx512_bf16"} <= _cpu_flags():
-    _BUILDS.append(("no-bf16-dot", ("-mno-avx512bf16",)))
-if "avx512f" in _cpu_flags():
-    _BUILDS.append(("avx2", ("-mno-avx512f",)))
-
-
-@pytest.fixture(scope="module", params=_BUILDS, ids=[name for name, _ in _BUILDS])
+@pytest.fixture(scope="module", params=KERNEL_BUILDS, ids=[name for name, _ in KERNEL_BUILDS])
 def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> cpu_linear.CpuLinearKernel:
     root = tmp_path_factory.mktemp("inductor")
     name, flags = request.param
@@ -43,7 +30,7 @@ def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 def test_the_native_build_uses_the_widest_vectors_this_cpu_has(tmp_path) -> None:
     built = cpu_linear.CpuLinearKernel(tmp_path / cpu_linear.SOURCE.build(tmp_path))
-    flags = _cpu_flags()
+    flags = cpu_flags()
     want = ("avx512-bf16" if "avx512_bf16" in flags else "avx512") if "avx512f" in flags else "avx2"
     assert built.isa == want
 
