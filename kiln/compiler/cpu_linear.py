@@ -14,10 +14,10 @@ bench.cpu_kernels --only cpu-linear``):
 - AVX2 (an AMD EPYC; bench/results/cpu-linear-cpu-20261202-064957.json): fp32
   at 1, 2 and 4 rows 6.9, 8.8 and 7.6 ms against Inductor's 7.6, 13.6 and 27.8
   ms; bf16 3.3, 4.2 and 4.4 ms against ``mm``'s 4.8, 8.3 and 15.8 ms;
-- AVX-512 with AVX512-BF16 (an Intel Xeon; cpu-linear-cpu-20261202-132317.json):
-  fp32 4.5, 5.2 and 6.4 ms against Inductor's 4.7, 9.4 and 15.5 ms; bf16 2.7,
-  3.2 and 3.8 ms against ``mm``'s 4.0, 4.1 and 4.1 ms; at one row int8 2.4,
-  q8_0 2.2 and q4 1.6 ms against Inductor's 10.5, 10.9 and 6.5 ms.
+- AVX-512 with AVX512-BF16 (an Intel Xeon; cpu-linear-cpu-20261202-144929.json):
+  fp32 4.5, 4.6 and 5.6 ms against Inductor's 5.1, 9.3 and 16.9 ms; bf16 2.5,
+  2.9 and 3.6 ms against ``mm``'s 4.0, 4.2 and 4.4 ms; at one row int8 1.3,
+  q8_0 1.5 and q4 1.2 ms against Inductor's 10.7, 11.3 and 6.7 ms.
 
 Inside a compiled piece the op is an extern call that Inductor schedules
 between its fused kernels; its fake implementation gives the output's shape.
