@@ -69,9 +69,10 @@ class LinearPolicy:
       with the kernel, int8 36.8-41.4 against 28.4-32.5, bf16 24.5-28.7 with
       the kernel against 21.3-22.7;
     - AVX-512 with AVX512-BF16 (an Intel Xeon): fp32 36.6-40.9 in Inductor
-      against 33.4-36.2 with the kernel; int8 22.0-22.6 in Inductor against
-      63.0-63.6 with the kernel, whose 16-lane unpacking Inductor's loop does
-      not match."""
+      against 33.4-36.2 with the kernel (38.8-40.6 against 35.7-39.9 once the
+      kernel prefetched its weights); int8 22.0-22.6 in Inductor against
+      63.0-63.6 with the kernel (78.2-83.3 with the prefetch), whose 16-lane
+      unpacking Inductor's loop does not match."""
 
     isa: str  # "avx512-bf16", "avx512" or "avx2"
 
