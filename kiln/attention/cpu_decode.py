@@ -5,10 +5,12 @@ The torch backend's own decode path gathers every decode request's blocks
 (``index_select`` of K and of V, a padded copy each layer) and runs SDPA over
 the copy. The kernel reads keys and values where they lie, with an online
 softmax, so nothing is copied. One layer of the 135M shape's heads (9 query, 3
-KV, head dim 64; 2 threads): 64 requests of 192 tokens 2.5 ms against 7.3 ms,
-of 512 tokens 7.6 against 17.1 ms, one request of 128 tokens 0.033 against
-0.163 ms (bench/results/decode-attention-cpu-20261201-211354.json,
-``python -m bench.cpu_kernels --only decode-attention``). Whole decode steps of
+KV, head dim 64; 2 threads), ``python -m bench.cpu_kernels --only
+decode-attention``: on an AMD EPYC (AVX2) 64 requests of 192 tokens 2.5 ms
+against 7.3 ms, of 512 tokens 7.6 against 17.1 ms, one request of 128 tokens
+0.033 against 0.163 ms (bench/results/decode-attention-cpu-20261201-211354.json);
+on an Intel Xeon (AVX-512) 0.63 against 7.2 ms, 1.78 against 20.3 ms and
+0.013 against 0.046 ms (decode-attention-cpu-20261202-152843.json). Whole decode steps of
 kiln -O2, in one scratch A/B with the kernel's first version (3.5 ms at 64 x
 192): about 480 against 350 ms at 64 requests, 44.6 against 39.1 ms at one.
 

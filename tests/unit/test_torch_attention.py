@@ -13,6 +13,7 @@ import torch
 
 from kiln.attention.backend import CommonAttentionMetadata
 from kiln.attention.torch_backend import TorchAttentionBackend, write_kv_cache
+from tests.conftest import KERNEL_BUILDS
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -20,13 +21,13 @@ KV_HEADS, GROUP, HEAD_DIM = 2, 3, 8
 
 
 def _step(q_lens: list[int], seq_lens: list[int], seed: int = 0, kv_heads: int = KV_HEADS, group: int = GROUP,
-          head_dim: int = HEAD_DIM):
+          head_dim: int = HEAD_DIM, block_size: int = BLOCK_SIZE):
     """A random paged cache, block tables and queries for requests with these
     query and context lengths; also each request's dense K/V."""
     g = torch.Generator().manual_seed(seed)
-    kv_cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim, generator=g)
+    kv_cache = torch.randn(2, NUM_BLOCKS, block_size, kv_heads, head_dim, generator=g)
     perm = torch.randperm(NUM_BLOCKS, generator=g).tolist()
-    max_blocks = max(-(-n // BLOCK_SIZE) for n in seq_lens) + 2
+    max_blocks = max(-(-n // block_size) for n in seq_lens) + 2
     # Stale ids past each context, as the engine's buffers hold them.
     block_table = torch.tensor(perm[:max_blocks * len(q_lens)], dtype=torch.int32).view(len(q_lens), max_blocks)
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -34,12 +35,12 @@ def _step(q_lens: list[int], seq_lens: list[int], seed: int = 0, kv_heads: int =
     slots = []
     for i, (q, n) in enumerate(zip(q_lens, seq_lens)):
         for p in range(n - q, n):
-            slots.append(int(block_table[i, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE)
+            slots.append(int(block_table[i, p // block_size]) * block_size + p % block_size)
     common = CommonAttentionMetadata(
         num_actual_tokens=total, num_reqs=len(q_lens), max_query_len=max(q_lens), max_seq_len=max(seq_lens),
         query_start_loc=torch.from_numpy(qsl), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_table=block_table, slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc_cpu=qsl, seq_lens_cpu=np.asarray(seq_lens, dtype=np.int32), block_size=BLOCK_SIZE,
+        query_start_loc_cpu=qsl, seq_lens_cpu=np.asarray(seq_lens, dtype=np.int32), block_size=block_size,
     )
     query = torch.randn(total, kv_heads * group, head_dim, generator=g)
     key = torch.randn(total, kv_heads, head_dim, generator=g)
@@ -55,7 +56,8 @@ def _dense(kv_cache, common, query, window: int, scale: float) -> torch.Tensor:
     for i in range(common.num_reqs):
         start, end = int(common.query_start_loc_cpu[i]), int(common.query_start_loc_cpu[i + 1])
         n = int(common.seq_lens_cpu[i])
-        slots = [int(common.block_table[i, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in range(n)]
+        bs = common.block_size
+        slots = [int(common.block_table[i, p // bs]) * bs + p % bs for p in range(n)]
         k = kv_cache[0].reshape(-1, kv_heads, head_dim)[slots]
         v = kv_cache[1].reshape(-1, kv_heads, head_dim)[slots]
         for t in range(start, end):
@@ -100,17 +102,24 @@ def test_a_single_decode_is_attended_alone() -> None:
     torch.testing.assert_close(out, _dense(kv_cache, common, query, 0, 0.3), atol=1e-5, rtol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def decode_kernel(tmp_path_factory: pytest.TempPathFactory):
-    """The C decode-attention kernel, built with this machine's compiler."""
-    from kiln.attention.cpu_decode import PagedDecodeKernel, build_paged_decode
+# the kernel's builds this CPU runs (no-bf16-dot has no code of its own here), and its plain C loops, which
+# a CPU without AVX2 runs
+_ATTENTION_BUILDS = [b for b in KERNEL_BUILDS if b[0] != "no-bf16-dot"] + [("no-avx2", ("-mno-avx2", "-mno-fma"))]
+
+
+@pytest.fixture(scope="module", params=_ATTENTION_BUILDS, ids=[name for name, _ in _ATTENTION_BUILDS])
+def decode_kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """The C decode-attention kernel, built with this machine's compiler: each
+    build this CPU runs (its AVX-512, AVX2 and plain C code)."""
+    from kiln.attention.cpu_decode import SOURCE, PagedDecodeKernel
 
     root = tmp_path_factory.mktemp("inductor")
-    return PagedDecodeKernel(root / build_paged_decode(root))
+    return PagedDecodeKernel(root / SOURCE.build(root, request.param[1]))
 
 
 @pytest.mark.parametrize("window", [0, 5])
-@pytest.mark.parametrize("kv_heads, group, head_dim", [(2, 3, 8), (3, 3, 64), (1, 4, 128), (4, 1, 16)])
+@pytest.mark.parametrize("kv_heads, group, head_dim",
+                         [(2, 3, 8), (3, 3, 64), (1, 4, 128), (4, 1, 16), (2, 7, 64), (1, 9, 64), (1, 2, 256)])
 @pytest.mark.parametrize(
     "q_lens, seq_lens",
     [
@@ -134,6 +143,24 @@ def test_the_c_decode_kernel_equals_dense_attention(decode_kernel, q_lens, seq_l
     assert decode_kernel.supports(query, kv_cache, out)
     backend.forward(query, key, value, out, kv_cache, meta, 0.3, window)
     torch.testing.assert_close(out, _dense(kv_cache, common, query, window, 0.3), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 21])
+@pytest.mark.parametrize("block_size", [16, 32, 48])  # one, two and three (the last partial) batches of 16 rows
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_decode_kernel_with_large_blocks(decode_kernel, block_size: int, window: int, dtype) -> None:
+    kv_cache, common, query, key, value = _step([1, 1, 1], [45, 7, 100], seed=7, kv_heads=2, group=3, head_dim=64,
+                                                block_size=block_size)
+    kv_cache, query, key, value = (t.to(dtype) for t in (kv_cache, query, key, value))
+    backend = TorchAttentionBackend().with_decode_kernel(decode_kernel)
+    out = torch.full_like(query, float("nan"))
+    assert decode_kernel.supports(query, kv_cache, out)
+    backend.forward(query, key, value, out, kv_cache, backend.build_metadata(common), 0.3, window)
+    want = _dense(kv_cache.float(), common, query.float(), window, 0.3)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), want.to(torch.bfloat16).float(), atol=1e-2, rtol=2 ** -7)
 
 
 @pytest.mark.parametrize("window", [0, 5])
