@@ -53,8 +53,9 @@ Run from the repository root::
 
 * ``decode-attention``: single-query attention over the paged KV cache at
   SmolLM2-135M's heads (9 query, 3 KV, head dim 64; block size 16; block tables
-  a random permutation of a 4096-block cache, larger than the last-level
-  cache), for 1 to 64 requests and 128 to 512 tokens of context, one layer: the
+  a random permutation of a 4096-block cache), for 1 to 64 requests and 128 to
+  512 tokens of context, one layer at a time, 8 layers' caches (800 MB) taken
+  in turn so that each call reads from DRAM as in an engine's step: the
   torch backend's path (``index_select`` of each request's blocks, then one
   SDPA call over the padded copy) against the C kernel of
   ``kiln.attention.cpu_decode`` reading the cache in place. Each output is
@@ -475,18 +476,25 @@ def render_huge_pages(report: dict[str, Any]) -> str:
 
 DECODE_CASES = ((1, 128), (1, 512), (16, 256), (64, 192), (64, 512))  # (requests, context tokens)
 DECODE_BLOCK_SIZE, DECODE_CACHE_BLOCKS = 16, 4096
+# Layers' caches the timed calls take in turn (100 MB each in fp32): an engine's
+# step reads each layer's keys and values once, from DRAM, not one layer's
+# over and over from the CPU's caches.
+DECODE_LAYERS = 8
 
 
-def _decode_case(requests: int, context: int, gen: torch.Generator) -> dict[str, Any]:
+def _decode_case(requests: int, context: int, gen: torch.Generator, layers: int = 1) -> dict[str, Any]:
+    """One step's decode requests and ``layers`` caches (``kv_cache``: the
+    first) holding their keys and values at the same blocks."""
     from kiln.attention.cpu_decode import DecodeRows
 
     heads, kv_heads = SMOLLM2["num_attention_heads"], SMOLLM2["num_key_value_heads"]
     blocks = -(-context // DECODE_BLOCK_SIZE)
-    kv_cache = torch.randn(2, DECODE_CACHE_BLOCKS, DECODE_BLOCK_SIZE, kv_heads, HEAD_DIM, generator=gen)
+    caches = [torch.randn(2, DECODE_CACHE_BLOCKS, DECODE_BLOCK_SIZE, kv_heads, HEAD_DIM, generator=gen)
+              for _ in range(layers)]
     table = torch.randperm(DECODE_CACHE_BLOCKS, generator=gen)[: requests * blocks].view(requests, blocks)
     lens = torch.full((requests,), context, dtype=torch.int32)
     rows = DecodeRows(rows=torch.arange(requests), block_table=table.to(torch.int32).contiguous(), seq_lens=lens)
-    return {"query": torch.randn(requests, heads, HEAD_DIM, generator=gen), "kv_cache": kv_cache,
+    return {"query": torch.randn(requests, heads, HEAD_DIM, generator=gen), "kv_cache": caches[0], "caches": caches,
             "table": table, "rows": rows, "valid": torch.ones(requests, 1, 1, blocks * DECODE_BLOCK_SIZE,
                                                                dtype=torch.bool)}
 
@@ -514,16 +522,20 @@ def decode_attention_report(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kiln-bench-kernel-") as tmp:
         kernel = PagedDecodeKernel(Path(tmp) / build_paged_decode(Path(tmp)))
         for requests, context in DECODE_CASES[:1] if args.smoke else DECODE_CASES:
-            c = _decode_case(requests, context, gen)
+            c = _decode_case(requests, context, gen, layers=1 if args.smoke else DECODE_LAYERS)
             out = torch.empty_like(c["query"])
+            layer = itertools.cycle(c["caches"])
 
-            def native(c: dict[str, Any] = c, out: torch.Tensor = out) -> None:
-                kernel(c["query"], c["kv_cache"], out, c["rows"], HEAD_DIM ** -0.5, 0)
+            def native(c: dict[str, Any] = c, out: torch.Tensor = out, layer: Any = layer) -> None:
+                kernel(c["query"], next(layer), out, c["rows"], HEAD_DIM ** -0.5, 0)
 
-            native()
+            def reference(c: dict[str, Any] = c, layer: Any = layer) -> torch.Tensor:
+                return _torch_decode({**c, "kv_cache": next(layer)})
+
+            kernel(c["query"], c["kv_cache"], out, c["rows"], HEAD_DIM ** -0.5, 0)
             error = (out - _torch_decode(c)).abs().max().item()
             timed = {name: time_per_call(fn, repeats=args.repeats, min_batch_seconds=0.01 if args.smoke else 0.2)
-                     for name, fn in (("torch", functools.partial(_torch_decode, c)), ("kernel", native))}
+                     for name, fn in (("torch", reference), ("kernel", native))}
             kv_bytes = 2 * requests * context * c["kv_cache"].shape[-2] * HEAD_DIM * 4
             rows.append({"requests": requests, "context": context, "max_abs_difference": error,
                          "kv_bytes": kv_bytes, **{f"{n}_ms": t["median_ms"] for n, t in timed.items()},
@@ -532,6 +544,7 @@ def decode_attention_report(args: argparse.Namespace) -> dict[str, Any]:
     return {**record.head(torch_threads=args.threads),
             "settings": {"heads": SMOLLM2["num_attention_heads"], "kv_heads": SMOLLM2["num_key_value_heads"],
                          "head_dim": HEAD_DIM, "block_size": DECODE_BLOCK_SIZE, "cache_blocks": DECODE_CACHE_BLOCKS,
+                         "layers_in_turn": 1 if args.smoke else DECODE_LAYERS,
                          "dtype": "float32", "smoke": args.smoke, "statistic": "median over batches"},
             "results": rows}
 

@@ -9,8 +9,9 @@ KV, head dim 64; 2 threads), ``python -m bench.cpu_kernels --only
 decode-attention``: on an AMD EPYC (AVX2) 64 requests of 192 tokens 2.5 ms
 against 7.3 ms, of 512 tokens 7.6 against 17.1 ms, one request of 128 tokens
 0.033 against 0.163 ms (bench/results/decode-attention-cpu-20261201-211354.json);
-on an Intel Xeon (AVX-512) 0.63 against 7.2 ms, 1.78 against 20.3 ms and
-0.013 against 0.046 ms (decode-attention-cpu-20261202-152843.json). Whole decode steps of
+on an Intel Xeon (AVX-512), 8 layers' caches taken in turn so that each call
+reads from DRAM as an engine's step does, 1.01 against 1.77 ms, 2.97 against
+4.68 ms and 0.013 against 0.046 ms (decode-attention-cpu-20261202-154349.json). Whole decode steps of
 kiln -O2, in one scratch A/B with the kernel's first version (3.5 ms at 64 x
 192): about 480 against 350 ms at 64 requests, 44.6 against 39.1 ms at one.
 
