@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kiln.engine.request import SamplingParams
-from kiln.engine.sampler import Sampler, apply_top_k_top_p
+from kiln.engine.sampler import Sampler, apply_top_k_top_p, argmax_rows
 
 
 def test_top_k_and_top_p_masks() -> None:
@@ -73,3 +73,16 @@ def test_logprobs_on_the_processed_distribution_only_when_asked() -> None:
     expected = processed.log_softmax(-1)[out.tokens[1]].item()
     assert out.tokens[1] in (0, 1) and out.logprobs[1].logprob == pytest.approx(expected)
     assert out.logprobs[1].top == [] and out.logprobs[2] is None
+
+
+def test_argmax_rows_is_argmax_with_its_ties_and_nans() -> None:
+    x = torch.zeros(5, 100)
+    x[0, 5] = x[0, 50] = 1.0  # a tie: the first
+    x[1, 7] = x[1, 9] = float("nan")  # NaN counts as the largest
+    x[2] = float("-inf")
+    x[3, 3] = x[3, 90] = float("inf")
+    x[4] = torch.randn(100)
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    many = torch.randint(0, 3, (64, 4096)).float()  # ties in every row
+    assert torch.equal(argmax_rows(many), many.argmax(dim=-1))
+    assert torch.equal(argmax_rows(many.to(torch.bfloat16)), many.argmax(dim=-1))
