@@ -321,12 +321,37 @@ static inline __attribute__((always_inline)) void packed_row(
 }
 #endif
 
+/* q4's offsets against the activations' block sums: sum over blocks of
+ * offsets[b] * xsum[b], in vectors. Written as a scalar loop it was a chain of
+ * k / 32 dependent multiply-adds per weight row that the compiler may not
+ * reorder: a whole step's q4 layers (30 x 3.5M weights, 2 threads) took
+ * 6.5 ms with it. */
+static inline float offsets_dot(const float *offsets, const float *xsum, int64_t blocks) {
+    int64_t b = 0;
+#if KILN_AVX512
+    __m512 a = _mm512_setzero_ps();
+    for (; b + 16 <= blocks; b += 16)
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(offsets + b), _mm512_loadu_ps(xsum + b), a);
+    if (b < blocks) {
+        const __mmask16 tail = (__mmask16)((1u << (blocks - b)) - 1);
+        a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, offsets + b), _mm512_maskz_loadu_ps(tail, xsum + b), a);
+    }
+    return _mm512_reduce_add_ps(a);
+#else
+    __m256 a = _mm256_setzero_ps();
+    for (; b + 8 <= blocks; b += 8)
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(offsets + b), _mm256_loadu_ps(xsum + b), a);
+    float s = hsum8(a);
+    for (; b < blocks; b++) s += offsets[b] * xsum[b];
+    return s;
+#endif
+}
+
 /* The offsets' and the row scale's share, after packed_row's sum. */
 static inline float packed_finish(int kind, float s, const float *scales, const float *offsets, const float *xsum,
                                   int64_t k) {
     if (kind == KIND_INT8) s *= scales[0];
-    if (kind == KIND_Q4)
-        for (int64_t blk = 0; blk < k / 32; blk++) s += offsets[blk] * xsum[blk];
+    if (kind == KIND_Q4) s += offsets_dot(offsets, xsum, k / 32);
     return s;
 }
 
