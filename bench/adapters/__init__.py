@@ -2,7 +2,8 @@
 :class:`bench.common.harness.Engine`: kiln (``kiln_engine``), transformers eager
 (``transformers_eager``) and transformers with a static cache under
 ``torch.compile`` (``transformers_compiled``), each in a batch-1 and a
-throughput variant.
+throughput variant; and llama.cpp's ``llama-bench`` (``llama_cpp``), an optional
+baseline of ``bench.llama_cpp`` only.
 
 Adding a baseline means writing its adapter and registering it below; its
 ``summary`` dict becomes its entry under ``baselines`` in the decode report.

@@ -109,7 +109,7 @@ def load_kiln(model_path: Path, level: int, settings: BenchSettings, *, max_mode
     return LoadedKiln(rt, seconds, cache_dir, own_cache, memory)
 
 
-class _KilnAdapter(Engine):
+class KilnAdapter(Engine):
     """What both kiln adapters share: the load at one level and the result's head."""
 
     engine = "kiln"
@@ -140,7 +140,7 @@ class _KilnAdapter(Engine):
         self.loaded.close()
 
 
-class KilnEngine(_KilnAdapter):
+class KilnEngine(KilnAdapter):
     """kiln at one optimization level, streaming one greedy request per run.
 
     Raises ``ValueError`` when kiln refuses the level (one not built yet).
@@ -217,7 +217,7 @@ def _step_figures(first: dict[str, Any], last: dict[str, Any], wall: float) -> d
     }
 
 
-class KilnThroughputEngine(_KilnAdapter):
+class KilnThroughputEngine(KilnAdapter):
     """kiln at one level: every prompt submitted at once through
     ``Runtime.generate`` (``max_num_seqs`` = the number of prompts), greedy, EOS
     ignored, each request with its own token budget when ``settings.output_lens``
