@@ -96,6 +96,19 @@ class _Terminal:
         head, _, self.pending = self.pending.partition(needle)
         return head + needle
 
+    def read_bytes(self, count: int, timeout: float) -> bytes:
+        """At least ``count`` bytes more than are pending already, all of them taken."""
+        import select
+
+        deadline = time.monotonic() + timeout
+        while len(self.pending) < count:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.fd], [], [], left)[0]:
+                raise AssertionError(f"{count} bytes not seen within {timeout}s; got {self.pending[-500:]!r}")
+            self.pending += os.read(self.fd, 4096)
+        got, self.pending = self.pending, b""
+        return got
+
 
 def _controlling_terminal() -> None:
     """In the child: a new session whose controlling terminal is its stdin, so
@@ -122,7 +135,11 @@ def test_chat_on_a_terminal_ctrl_c_stops_the_answer_not_the_repl(demo_tokenizer_
     try:
         terminal.read_until(b"> ", 300)
         os.write(main, b"hello there\n")
-        time.sleep(1)  # the answer (up to the 1024-token context, several seconds) streams meanwhile
+        terminal.read_until(b"hello there", 60)  # the terminal's echo
+        # Ctrl-C once the answer streams: it runs to the 1024-token context, a
+        # second or less at -O0 on a fast machine, so a fixed wait could miss it
+        # (it did, once: the answer had ended and no "[stopped]" came)
+        terminal.read_bytes(20, 120)
         os.write(main, b"\x03")  # Ctrl-C, delivered by the terminal as SIGINT
         terminal.read_until(b"[stopped]", 60)
         terminal.read_until(b"> ", 60)  # the REPL is still there
