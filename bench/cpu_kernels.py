@@ -485,7 +485,7 @@ DECODE_LAYERS = 8
 def _decode_case(requests: int, context: int, gen: torch.Generator, layers: int = 1) -> dict[str, Any]:
     """One step's decode requests and ``layers`` caches (``kv_cache``: the
     first) holding their keys and values at the same blocks."""
-    from kiln.attention.cpu_decode import DecodeRows
+    from kiln.attention.cpu_decode import DecodeStep
 
     heads, kv_heads = SMOLLM2["num_attention_heads"], SMOLLM2["num_key_value_heads"]
     blocks = -(-context // DECODE_BLOCK_SIZE)
@@ -493,9 +493,11 @@ def _decode_case(requests: int, context: int, gen: torch.Generator, layers: int 
               for _ in range(layers)]
     table = torch.randperm(DECODE_CACHE_BLOCKS, generator=gen)[: requests * blocks].view(requests, blocks)
     lens = torch.full((requests,), context, dtype=torch.int32)
-    rows = DecodeRows(rows=torch.arange(requests), block_table=table.to(torch.int32).contiguous(), seq_lens=lens)
+    # the attention alone: no new tokens to write
+    step = DecodeStep(torch.arange(requests), table.to(torch.int32).contiguous(), lens,
+                      torch.empty(0, dtype=torch.int64), 0)
     return {"query": torch.randn(requests, heads, HEAD_DIM, generator=gen), "kv_cache": caches[0], "caches": caches,
-            "table": table, "rows": rows, "valid": torch.ones(requests, 1, 1, blocks * DECODE_BLOCK_SIZE,
+            "table": table, "step": step, "new_kv": torch.empty(0, kv_heads, HEAD_DIM), "valid": torch.ones(requests, 1, 1, blocks * DECODE_BLOCK_SIZE,
                                                                dtype=torch.bool)}
 
 
@@ -527,12 +529,14 @@ def decode_attention_report(args: argparse.Namespace) -> dict[str, Any]:
             layer = itertools.cycle(c["caches"])
 
             def native(c: dict[str, Any] = c, out: torch.Tensor = out, layer: Any = layer) -> None:
-                kernel(c["query"], next(layer), out, c["rows"], HEAD_DIM ** -0.5, 0)
+                kernel.layer(c["query"], c["new_kv"], c["new_kv"], out, next(layer), c["step"], HEAD_DIM ** -0.5, 0)
 
             def reference(c: dict[str, Any] = c, layer: Any = layer) -> torch.Tensor:
                 return _torch_decode({**c, "kv_cache": next(layer)})
 
-            kernel(c["query"], c["kv_cache"], out, c["rows"], HEAD_DIM ** -0.5, 0)
+            if not kernel.layer(c["query"], c["new_kv"], c["new_kv"], out, c["kv_cache"], c["step"], HEAD_DIM ** -0.5,
+                                0):
+                raise RuntimeError("the decode-attention kernel refused the benchmark's tensors")
             error = (out - _torch_decode(c)).abs().max().item()
             timed = {name: time_per_call(fn, repeats=args.repeats, min_batch_seconds=0.01 if args.smoke else 0.2)
                      for name, fn in (("torch", reference), ("kernel", native))}

@@ -6,7 +6,7 @@
  * cache, block by block, with an online softmax, instead of gathering them
  * into a padded copy for SDPA.
  *
- * bf16 (kiln_paged_decode_bf16): query, keys, values and output in bf16, each
+ * bf16 (kiln_decode_layer's bf16 = 1): query, keys, values and output in bf16, each
  * value widened to fp32 as it is loaded (a shift), scores, softmax and sums in
  * fp32, the output rounded once; the same loops otherwise.
  *
@@ -466,24 +466,17 @@ static inline __attribute__((always_inline)) int paged_decode(
     return 0;
 }
 
-int kiln_paged_decode_f32(const float *query, int64_t q_stride, const float *key, const float *value,
-                          const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
-                          const int64_t *rows, float *out, int64_t out_stride,
-                          int64_t B, int64_t H, int64_t KV, int64_t D, int64_t bs,
-                          float scale, int64_t window, int64_t heads_per_item, int64_t threads)
+/* KV heads one work item takes: all of them (one sweep over each key row)
+ * once the requests outnumber the threads twice over, else one (the heads
+ * then share the threads); never more query heads than an item holds. */
+static int64_t heads_per_item(int64_t B, int64_t H, int64_t KV, int64_t threads)
 {
-    return paged_decode(query, q_stride, key, value, block_table, bt_stride, seq_lens, rows, out, out_stride, B, H,
-                        KV, D, bs, scale, window, heads_per_item, threads, 0);
-}
-
-int kiln_paged_decode_bf16(const uint16_t *query, int64_t q_stride, const uint16_t *key, const uint16_t *value,
-                           const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
-                           const int64_t *rows, uint16_t *out, int64_t out_stride,
-                           int64_t B, int64_t H, int64_t KV, int64_t D, int64_t bs,
-                           float scale, int64_t window, int64_t heads_per_item, int64_t threads)
-{
-    return paged_decode(query, q_stride, key, value, block_table, bt_stride, seq_lens, rows, out, out_stride, B, H,
-                        KV, D, bs, scale, window, heads_per_item, threads, 1);
+    const int64_t group = H / KV;
+    int64_t best = 1;
+    if (B < 2 * threads) return 1;
+    for (int64_t n = 1; n <= KV; ++n)
+        if (KV % n == 0 && n * group <= KILN_MAX_HEADS) best = n;
+    return best;
 }
 
 /* Write n tokens' keys and values ([n, KV, D] rows, row strides in elements,
@@ -491,8 +484,8 @@ int kiln_paged_decode_bf16(const uint16_t *query, int64_t q_stride, const uint16
  * offset): one copy of KV * D elements of esize bytes per token and tensor.
  * What index_copy_ does, without its per-call cost (about 20 us a tensor,
  * twice a layer). */
-int kiln_write_kv(const void *key, int64_t k_stride, const void *value, int64_t v_stride, const int64_t *slots,
-                  int64_t n, void *key_cache, void *value_cache, int64_t row, int64_t num_slots, int64_t esize)
+static int write_kv(const void *key, int64_t k_stride, const void *value, int64_t v_stride, const int64_t *slots,
+                    int64_t n, void *key_cache, void *value_cache, int64_t row, int64_t num_slots, int64_t esize)
 {
     for (int64_t t = 0; t < n; ++t)
         if (slots[t] < 0 || slots[t] >= num_slots) return -1;
@@ -501,4 +494,45 @@ int kiln_write_kv(const void *key, int64_t k_stride, const void *value, int64_t 
         memcpy((char *)value_cache + slots[t] * row * esize, (const char *)value + t * v_stride * esize, esize * row);
     }
     return 0;
+}
+
+/* What every layer of a step shares, filled once a step by the caller
+ * (kiln.attention.cpu_decode.DecodeStep): the single-query requests' rows,
+ * block tables and lengths, and the cache slots of the step's new tokens. */
+typedef struct {
+    const int64_t *rows;
+    const int32_t *block_table;
+    int64_t bt_stride;
+    const int32_t *seq_lens;
+    int64_t B;
+    const int64_t *slots;
+    int64_t n;
+    int64_t threads;
+} kiln_step;
+
+/* One layer of a step: its n new keys and values ([n, KV, D] rows) written
+ * into cache ([2, num_slots / bs, bs, KV, D]), then every single-query request
+ * attended to. One call from Python where there were two, each with its own
+ * checks. Returns 0; -1 when a slot is outside the cache, -2 when the shapes
+ * exceed the limits (nothing written either way: the caller's torch path
+ * takes the layer). */
+int kiln_decode_layer(const kiln_step *st, const void *query, int64_t q_stride, const void *key, int64_t k_stride,
+                      const void *value, int64_t v_stride, void *cache, int64_t num_slots, void *out,
+                      int64_t out_stride, int64_t H, int64_t KV, int64_t D, int64_t bs, float scale, int64_t window,
+                      int64_t bf16)
+{
+    const int64_t group = KV > 0 ? H / KV : 0;
+    if (group < 1 || group * KV != H || group > KILN_MAX_HEADS || D > KILN_MAX_DIM || bs > KILN_MAX_BLOCK) return -2;
+    const int64_t esize = bf16 ? 2 : 4;
+    char *key_cache = cache, *value_cache = (char *)cache + num_slots * KV * D * esize;
+    if (write_kv(key, k_stride, value, v_stride, st->slots, st->n, key_cache, value_cache, KV * D, num_slots,
+                 esize) != 0)
+        return -1;
+    if (st->B == 0) return 0;
+    const int64_t hpi = heads_per_item(st->B, H, KV, st->threads);
+    if (bf16)
+        return paged_decode(query, q_stride, key_cache, value_cache, st->block_table, st->bt_stride, st->seq_lens,
+                            st->rows, out, out_stride, st->B, H, KV, D, bs, scale, window, hpi, st->threads, 1);
+    return paged_decode(query, q_stride, key_cache, value_cache, st->block_table, st->bt_stride, st->seq_lens,
+                        st->rows, out, out_stride, st->B, H, KV, D, bs, scale, window, hpi, st->threads, 0);
 }

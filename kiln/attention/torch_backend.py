@@ -3,8 +3,9 @@
 Decode tokens (one query each) of a step go through one batched SDPA call over
 their blocks gathered and padded to the longest context, or, on CPU with the C
 kernel a compiled entry brings (``kiln.attention.cpu_decode``), through that
-kernel reading the cache in place; prefill chunks walk their requests in Python
-with host-side lengths, one SDPA call each. Host-side lengths mean it can never
+kernel, which writes the layer's new keys and values and reads the cache in
+place in one call; prefill chunks walk their requests in Python with host-side
+lengths, one SDPA call each. Host-side lengths mean it can never
 sit inside a FULL CUDA graph.
 """
 
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.attention.backend import AttentionBackend, CommonAttentionMetadata
-from kiln.attention.cpu_decode import DecodeRows, PagedDecodeKernel
+from kiln.attention.cpu_decode import DecodeStep, PagedDecodeKernel
 from kiln.config import CUDAGraphSupport
 
 __all__ = ["TorchAttentionBackend", "TorchAttentionMetadata", "paged_attention_torch", "write_kv_cache"]
@@ -35,7 +36,6 @@ class DecodeBatch:
     seq_lens: torch.Tensor  # [B] context lengths, on the device
     positions: torch.Tensor  # [max_blocks * block_size]: 0, 1, ... (sliding windows compare to them)
     valid: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool: the real key positions
-    native: DecodeRows | None = None  # the same requests for the C kernel, when the backend has one
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,9 @@ class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # device
     decode: DecodeBatch | None  # the batched single-query requests, when there are several
     per_request: tuple[int, ...]  # requests attended to one by one (all of them when decode is None)
+    # the step for the C kernel, when the backend has one: the new tokens' slots
+    # and the single-query requests (those of ``decode``, or none)
+    native: DecodeStep | None = None
 
 
 def write_kv_cache(
@@ -79,28 +82,30 @@ def paged_attention_torch(
     meta: TorchAttentionMetadata,
     scale: float,
     sliding_window: int,
-    decode_kernel: PagedDecodeKernel | None = None,
 ) -> None:
-    """Attention over the paged cache: the decode batch in one call (of
-    ``decode_kernel`` when it can take these tensors), every other request in
-    one SDPA call of its own.
+    """Attention over the paged cache: the decode batch in one SDPA call, every
+    other request in one SDPA call of its own.
 
     Queries of a request are the last ``q_len`` positions of its ``seq_len``-long
     context, so a prefill chunk sees its cached prefix plus itself causally and a
     decode token sees everything. Grouped-query heads are folded into the query
     length instead of repeating K/V.
     """
+    if meta.decode is not None:
+        _decode_attention(query, kv_cache[0], kv_cache[1], out, meta.decode, scale, sliding_window)
+    _attend_each(query, kv_cache, out, meta, scale, sliding_window)
+
+
+def _attend_each(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, meta: TorchAttentionMetadata,
+                 scale: float, sliding_window: int) -> None:
+    """The requests of ``meta.per_request``, one SDPA call each."""
+    if not meta.per_request:
+        return
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[-2]
     group = num_heads // num_kv_heads
     qsl, seq_lens, nblocks = meta.query_start_loc, meta.seq_lens, meta.num_blocks
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    if meta.decode is not None:
-        native = meta.decode.native
-        if decode_kernel is not None and native is not None and decode_kernel.supports(query, kv_cache, out):
-            decode_kernel(query, kv_cache, out, native, scale, sliding_window)
-        else:
-            _decode_attention(query, key_cache, value_cache, out, meta.decode, scale, sliding_window)
     for i in meta.per_request:
         start, end = qsl[i], qsl[i + 1]
         q_len, ctx = end - start, seq_lens[i]
@@ -156,7 +161,7 @@ def _decode_attention(
 
 
 def _decode_batch(common: CommonAttentionMetadata, decodes: list[int], qsl: list[int], seq_lens: list[int],
-                  num_blocks: list[int], native: bool) -> DecodeBatch:
+                  num_blocks: list[int]) -> DecodeBatch:
     """Gather the decode requests' rows, blocks and key mask once per step (all
     layers share them); ``qsl``, ``seq_lens`` and ``num_blocks`` are host lists.
 
@@ -174,14 +179,24 @@ def _decode_batch(common: CommonAttentionMetadata, decodes: list[int], qsl: list
     lens = torch.tensor([seq_lens[i] for i in decodes], device=device)
     positions = torch.arange(max_blocks * common.block_size, device=device)
     valid = (positions[None, :] < lens[:, None])[:, None, None, :]
-    rows_for_kernel = None
-    if native:
+    return DecodeBatch(rows=rows, blocks=blocks, seq_lens=lens, positions=positions, valid=valid)
+
+
+def _native_step(common: CommonAttentionMetadata, decodes: list[int], qsl: list[int],
+                 seq_lens: list[int]) -> DecodeStep:
+    """The step as the C kernel takes it: the single-query requests' rows,
+    block tables and lengths (none in a step of prefills only), and the new
+    tokens' slots."""
+    table = common.block_table
+    if decodes and decodes[-1] - decodes[0] == len(decodes) - 1:  # consecutive requests: consecutive rows
         first = qsl[decodes[0]]
-        rows_for_kernel = DecodeRows(
-            rows=(torch.arange(first, first + len(decodes), device=device) if contiguous else rows),
-            block_table=common.block_table[index].to(torch.int32), seq_lens=lens.to(torch.int32))
-    return DecodeBatch(rows=rows, blocks=blocks, seq_lens=lens, positions=positions, valid=valid,
-                       native=rows_for_kernel)
+        rows = torch.arange(first, first + len(decodes))
+        table = table[decodes[0]:decodes[-1] + 1]
+    else:
+        rows = torch.tensor([qsl[i] for i in decodes], dtype=torch.int64)
+        table = table[torch.tensor(decodes, dtype=torch.int64)]
+    lens = torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int32)
+    return DecodeStep(rows, table.to(torch.int32), lens, common.slot_mapping, common.num_actual_tokens)
 
 
 def _mask(ctx: int, q_len: int, sliding_window: int, group: int, device: torch.device) -> torch.Tensor | None:
@@ -229,8 +244,9 @@ class TorchAttentionBackend(AttentionBackend):
             num_blocks=num_blocks,
             block_table=common.block_table,
             slot_mapping=common.slot_mapping,
-            decode=_decode_batch(common, decodes, qsl, seq_lens, num_blocks, native) if batched else None,
+            decode=_decode_batch(common, decodes, qsl, seq_lens, num_blocks) if batched else None,
             per_request=per_request,
+            native=_native_step(common, decodes, qsl, seq_lens) if native else None,
         )
 
     def forward(self, query, key, value, out, kv_cache, meta, scale, sliding_window) -> None:  # noqa: ANN001
@@ -239,7 +255,11 @@ class TorchAttentionBackend(AttentionBackend):
         n = meta.num_actual_tokens
         if key.shape[0] != n:
             query, key, value = query[:n], key[:n], value[:n]
-        kernel = self.decode_kernel
-        if n and not (kernel is not None and kernel.write_kv(key, value, kv_cache, meta.slot_mapping[:n])):
+        step, kernel = meta.native, self.decode_kernel
+        if step is not None and kernel is not None and kernel.layer(query, key, value, out, kv_cache, step, scale,
+                                                                    sliding_window):
+            _attend_each(query, kv_cache, out, meta, scale, sliding_window)  # the prefill chunks
+            return
+        if n:
             write_kv_cache(key, value, kv_cache, meta.slot_mapping)
-        paged_attention_torch(query, kv_cache, out, meta, scale, sliding_window, kernel)
+        paged_attention_torch(query, kv_cache, out, meta, scale, sliding_window)

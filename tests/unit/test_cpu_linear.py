@@ -99,6 +99,8 @@ def test_rows_of_any_shape_and_strides(kernel) -> None:
     transposed = torch.randn(32, 3).t()  # elements not contiguous: copied first
     torch.testing.assert_close(kernel(transposed, w, None, None, None, "f32"), F.linear(transposed, w),
                                atol=1e-5, rtol=1e-5)
+    for empty in (torch.empty(0, 32), torch.empty(2, 0, 32)):  # no rows: no call, an empty result
+        assert kernel(empty, w, None, None, None, "f32").shape == (*empty.shape[:-1], 16)
 
 
 def test_the_op_runs_the_loaded_kernel_and_has_a_fake(kernel) -> None:

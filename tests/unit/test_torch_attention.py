@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from kiln.attention import torch_backend
 from kiln.attention.backend import CommonAttentionMetadata
+from kiln.attention.cpu_decode import DecodeStep
 from kiln.attention.torch_backend import TorchAttentionBackend, write_kv_cache
 from tests.conftest import KERNEL_BUILDS
 
@@ -117,6 +119,17 @@ def decode_kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     return PagedDecodeKernel(root / SOURCE.build(root, request.param[1]))
 
 
+@pytest.fixture
+def kernel_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch path's KV write and decode attention fail if called: the
+    kernel must have taken the layer (the prefill chunks still go to SDPA)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the torch path ran where the C kernel should have")
+
+    monkeypatch.setattr(torch_backend, "write_kv_cache", refuse)
+    monkeypatch.setattr(torch_backend, "paged_attention_torch", refuse)
+
+
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("kv_heads, group, head_dim",
                          [(2, 3, 8), (3, 3, 64), (1, 4, 128), (4, 1, 16), (2, 7, 64), (1, 9, 64), (1, 2, 256)])
@@ -128,8 +141,8 @@ def decode_kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
         ([1] * 9, [3, 17, 9, 1, 20, 4, 5, 13, 8]),  # enough requests for all heads in one item
     ],
 )
-def test_the_c_decode_kernel_equals_dense_attention(decode_kernel, q_lens, seq_lens, window: int, kv_heads: int,
-                                                    group: int, head_dim: int) -> None:
+def test_the_c_decode_kernel_equals_dense_attention(decode_kernel, kernel_only, q_lens, seq_lens, window: int,
+                                                    kv_heads: int, group: int, head_dim: int) -> None:
     kv_cache, common, query, key, value = _step(q_lens, seq_lens, seed=2, kv_heads=kv_heads, group=group,
                                                 head_dim=head_dim)
     # the query as the model hands it over: a view of the fused q/k/v projection, rows strided
@@ -138,9 +151,8 @@ def test_the_c_decode_kernel_equals_dense_attention(decode_kernel, q_lens, seq_l
     query = fused[:, : kv_heads * group]
     backend = TorchAttentionBackend().with_decode_kernel(decode_kernel)
     meta = backend.build_metadata(common)
-    assert meta.decode is not None and meta.decode.native is not None
+    assert meta.native is not None and meta.native.num_requests == sum(q == 1 for q in q_lens)
     out = torch.full_like(query, float("nan"))  # every row is written: decodes by the kernel, the rest by SDPA
-    assert decode_kernel.supports(query, kv_cache, out)
     backend.forward(query, key, value, out, kv_cache, meta, 0.3, window)
     torch.testing.assert_close(out, _dense(kv_cache, common, query, window, 0.3), atol=1e-5, rtol=1e-5)
 
@@ -148,13 +160,13 @@ def test_the_c_decode_kernel_equals_dense_attention(decode_kernel, q_lens, seq_l
 @pytest.mark.parametrize("window", [0, 21])
 @pytest.mark.parametrize("block_size", [16, 32, 48])  # one, two and three (the last partial) batches of 16 rows
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_c_decode_kernel_with_large_blocks(decode_kernel, block_size: int, window: int, dtype) -> None:
+def test_the_c_decode_kernel_with_large_blocks(decode_kernel, kernel_only, block_size: int, window: int,
+                                               dtype) -> None:
     kv_cache, common, query, key, value = _step([1, 1, 1], [45, 7, 100], seed=7, kv_heads=2, group=3, head_dim=64,
                                                 block_size=block_size)
     kv_cache, query, key, value = (t.to(dtype) for t in (kv_cache, query, key, value))
     backend = TorchAttentionBackend().with_decode_kernel(decode_kernel)
     out = torch.full_like(query, float("nan"))
-    assert decode_kernel.supports(query, kv_cache, out)
     backend.forward(query, key, value, out, kv_cache, backend.build_metadata(common), 0.3, window)
     want = _dense(kv_cache.float(), common, query.float(), window, 0.3)
     if dtype == torch.float32:
@@ -167,13 +179,12 @@ def test_the_c_decode_kernel_with_large_blocks(decode_kernel, block_size: int, w
 @pytest.mark.parametrize("kv_heads, group, head_dim", [(2, 3, 8), (3, 3, 64), (1, 4, 128)])
 @pytest.mark.parametrize("q_lens, seq_lens", [([1], [13]), ([1, 1, 6, 1, 1], [12, 5, 10, 20, 2])])
 def test_the_c_decode_kernel_in_bf16_equals_fp32_attention_of_the_same_values(
-        decode_kernel, q_lens, seq_lens, window: int, kv_heads: int, group: int, head_dim: int) -> None:
+        decode_kernel, kernel_only, q_lens, seq_lens, window: int, kv_heads: int, group: int, head_dim: int) -> None:
     kv_cache, common, query, key, value = _step(q_lens, seq_lens, seed=5, kv_heads=kv_heads, group=group,
                                                 head_dim=head_dim)
     kv_cache, query, key, value = (t.to(torch.bfloat16) for t in (kv_cache, query, key, value))
     backend = TorchAttentionBackend().with_decode_kernel(decode_kernel)
     out = torch.full_like(query, float("nan"))
-    assert decode_kernel.supports(query, kv_cache, out)
     backend.forward(query, key, value, out, kv_cache, backend.build_metadata(common), 0.3, window)
     decodes = [int(common.query_start_loc_cpu[i]) for i, n in enumerate(q_lens) if n == 1]
     # every score and sum in fp32 from the bf16 values, the output rounded once
@@ -188,8 +199,11 @@ def test_the_c_decode_kernel_leaves_other_dtypes_to_the_torch_path(decode_kernel
     kv_cache, query, key, value = (t.to(torch.float16) for t in (kv_cache, query, key, value))
     backend = TorchAttentionBackend().with_decode_kernel(decode_kernel)
     out = torch.zeros_like(query)
-    assert not decode_kernel.supports(query, kv_cache, out)
-    backend.forward(query, key, value, out, kv_cache, backend.build_metadata(common), 0.3, 0)
+    meta = backend.build_metadata(common)
+    before = kv_cache.clone()
+    assert not decode_kernel.layer(query, key, value, out, kv_cache, meta.native, 0.3, 0)
+    assert torch.equal(kv_cache, before)  # refused before anything was written
+    backend.forward(query, key, value, out, kv_cache, meta, 0.3, 0)
     reference = _dense(kv_cache.float(), common, query.float(), 0, 0.3)
     torch.testing.assert_close(out.float(), reference, atol=3e-2, rtol=3e-2)
 
@@ -225,13 +239,20 @@ def test_the_c_kv_write_equals_index_copy(decode_kernel) -> None:
     slots = torch.tensor([3, 17, 0, 22, 9])
     want = torch.zeros(2, blocks, block_size, kv_heads, head_dim)
     write_kv_cache(key, value, want, slots)
+
+    def layer(key, value, cache, slots) -> bool:  # a step of new tokens and no single-query request
+        step = DecodeStep(torch.empty(0, dtype=torch.int64), torch.zeros(0, 1, dtype=torch.int32),
+                          torch.empty(0, dtype=torch.int32), slots, tokens)
+        query = fused[:, :kv_heads].to(key.dtype)
+        return decode_kernel.layer(query, key, value, torch.empty_like(query), cache, step, 1.0, 0)
+
     got = torch.zeros_like(want)
-    assert decode_kernel.write_kv(key, value, got, slots)
+    assert layer(key, value, got, slots)
     assert torch.equal(got, want)
     with pytest.raises(IndexError, match="outside the cache's 24 slots"):
-        decode_kernel.write_kv(key, value, got, torch.tensor([3, 17, 0, 24, 9]))
+        layer(key, value, got, torch.tensor([3, 17, 0, 24, 9]))
     want16, got16 = want.to(torch.bfloat16), torch.zeros_like(want, dtype=torch.bfloat16)
-    assert decode_kernel.write_kv(key.to(torch.bfloat16), value.to(torch.bfloat16), got16, slots)
+    assert layer(key.to(torch.bfloat16), value.to(torch.bfloat16), got16, slots)
     assert torch.equal(got16, want16)
     # what the kernel does not take is left to the torch path
-    assert not decode_kernel.write_kv(key.double(), value.double(), got.double(), slots)
+    assert not layer(key.double(), value.double(), got.double(), slots)
