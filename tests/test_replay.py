@@ -30,16 +30,28 @@ def _entry(rt: Runtime) -> Path:
 
 @pytest.fixture(scope="module")
 def compiled_tiny(tiny, tmp_path_factory):
-    """The tiny model compiled at -O2 into a fresh cache (four batch sizes of prompts)."""
+    """The tiny model compiled at -O2 into a fresh cache (four batch sizes of
+    prompts), with the runnables the compiling process ran them on."""
     path, _, _ = tiny
     cache = tmp_path_factory.mktemp("replay") / "cache"
     rt = Runtime.load(path, optimization_level=2, cache_dir=cache)
     prompts = random_prompts(4, [3, 11, 6, 17], 64, seed=3)
-    return path, cache, prompts, _scored(rt, prompts)
+    assert rt.compiled is not None
+    runnables = [fn for p in rt.compiled.model.pieces.values() for fn in [p.range, *p.exact.values()]]
+    compiled_here = (rt.startup_report["compile_cache"], rt.startup_report["artifact_loader"], runnables)
+    return path, cache, prompts, _scored(rt, prompts), compiled_here
+
+
+def test_the_process_that_compiled_runs_the_exported_code(compiled_tiny) -> None:
+    """After saving the entry, the compiling process swaps Inductor's fresh
+    artifacts for the exported code a warm start runs (faster per step)."""
+    *_, (cache_state, loader, runnables) = compiled_tiny
+    assert cache_state == "miss" and loader == "replay"
+    assert runnables and all(isinstance(fn, replay.ReplayedArtifact) for fn in runnables)
 
 
 def test_every_cpu_artifact_is_exported_and_a_warm_start_replays_them(compiled_tiny) -> None:
-    path, cache, prompts, fresh = compiled_tiny
+    path, cache, prompts, fresh, _ = compiled_tiny
     warm = Runtime.load(path, optimization_level=2, cache_dir=cache)
     manifest = json.loads((_entry(warm) / "manifest.json").read_text())
     assert replay.covers(manifest) and set(manifest["replay"]) == set(replay.artifacts(manifest))
@@ -65,7 +77,7 @@ def test_replayed_and_inductor_loaded_artifacts_agree_to_the_bit(compiled_tiny, 
     """The same entry without its replay records loads through Inductor: every
     logprob of every step equals the replay's (and the process's first, fresh
     compile's)."""
-    path, cache, prompts, fresh = compiled_tiny
+    path, cache, prompts, fresh, _ = compiled_tiny
     copy = tmp_path / "cache"
     shutil.copytree(cache, copy, ignore=shutil.ignore_patterns("locks"))
     for manifest_path in (copy / "compiled").glob("*/manifest.json"):
@@ -81,7 +93,7 @@ def test_replayed_and_inductor_loaded_artifacts_agree_to_the_bit(compiled_tiny, 
 
 
 def test_exported_code_that_fails_to_load_falls_back_to_inductor(compiled_tiny, monkeypatch, caplog) -> None:
-    path, cache, prompts, fresh = compiled_tiny
+    path, cache, prompts, fresh, _ = compiled_tiny
 
     def broken(entry, record, inductor_dir):
         raise ImportError("kernel library refused")

@@ -41,7 +41,7 @@ from kiln.cache.store import (
     writable,
 )
 from kiln.compiler import cpu_linear
-from kiln.compiler.artifacts import inductor_settings, load_compiled, save_compiled
+from kiln.compiler.artifacts import inductor_settings, load_compiled, replay_in_place, save_compiled
 from kiln.compiler.pipeline import CompiledModel, CompileStats, compile_traced, trace_model
 from kiln.compiler.toolchain import ToolchainWarmup, checksum_kernels, compiler_identity, kernel_files, vec_isa_record
 from kiln.config import CompilationConfig
@@ -189,11 +189,13 @@ def _build_entry(
                        "compile_seconds": stats.compile_seconds, "compile_workers": stats.compile_workers}
         # Saved with Inductor configured as for the build: exporting the CPU artifacts'
         # code (kiln.compiler.replay) asks it for the kernel libraries it built.
-        save_compiled(entry, compiled, traced.pristine, {
+        manifest = save_compiled(entry, compiled, traced.pristine, {
             **header, "key": key, "factors": factors, "created": time.time(), "stats": saved_stats,
             "toolchain": toolchain, **libraries,
             "kernels": checksum_kernels(inductor_dir, kernels | {n for n in libraries.values() if n}),
         }, replay_from=inductor_dir if cpu else None)
+    if cpu and replay_in_place(entry, manifest, compiled, inductor_dir):
+        stats.artifact_loader = "replay"
     return CompiledEntry(compiled, stats, entry, inductor_dir)
 
 

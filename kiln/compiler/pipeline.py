@@ -48,7 +48,9 @@ class CompileStats:
     compile_workers: int = 0  # processes that compiled side by side
     artifacts_loaded: int = 0
     # how they were loaded: "replay" (their exported code, kiln.compiler.replay: no
-    # Inductor imported) or "inductor"; "" when this process compiled them
+    # Inductor imported; also what a CPU process that compiled them runs after
+    # saving the entry) or "inductor"; "" when this process compiled them and runs
+    # Inductor's fresh artifacts (GPU, or an entry that does not replay)
     artifact_loader: str = ""
     # kernel libraries the shared Inductor cache had lost, rebuilt at load
     kernels_rebuilt: int = 0
