@@ -108,7 +108,8 @@ class CpuLinearKernel:
         Written for its per-call cost, which a decode step pays 120 times: when
         ``x`` is up to ``MAX_ROWS`` contiguous rows (every call of a few-token
         piece), one allocation and one ctypes call, with no other tensor made
-        (6.5 -> 4 us a call, 1 thread, scratch timing)."""
+        (6.5 -> 5.6-6.0 us a call of a [1, 64] by [64, 64] bf16 linear, 1 thread,
+        scratch timing: the ctypes call itself is 2.5 us, the allocation 1.4)."""
         n = weight.shape[0]
         bf16 = x.dtype == torch.bfloat16
         if bias is not None and bias.dtype != x.dtype:
