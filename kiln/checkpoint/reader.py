@@ -117,8 +117,11 @@ class Checkpoint(abc.ABC):
         """A reader over the weights."""
 
     @abc.abstractmethod
-    def load_tokenizer(self) -> Any:
-        """A transformers tokenizer, or None when the checkpoint has none."""
+    def load_tokenizer(self, cache_dir: Path | None = None) -> Any:
+        """A transformers tokenizer, or None when the checkpoint has none.
+        ``cache_dir``: where a checkpoint may keep what it derives, to load
+        faster next time (a GGUF file's converted tokenizer); None keeps
+        nothing."""
 
     @abc.abstractmethod
     def metadata_files(self) -> list[Path]:

@@ -190,7 +190,7 @@ class HFCheckpoint(Checkpoint):
     def reader(self) -> SafetensorsReader:
         return SafetensorsReader(safetensors_files(self.weights_dir))
 
-    def load_tokenizer(self) -> Any:
+    def load_tokenizer(self, cache_dir: Path | None = None) -> Any:
         if not any((self.path / n).is_file() for n in _TOKENIZER_FILES):
             return None
         from transformers import AutoTokenizer

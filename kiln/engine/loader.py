@@ -172,7 +172,7 @@ def open_source(options: LoadOptions, phases: Phases) -> ModelSource:
         bundle = read_bundle(path) if path.is_dir() else None
         checkpoint = bundle.checkpoint(options.weights_path) if bundle is not None else open_checkpoint(path)
     with phases("load_tokenizer"):
-        tokenizer = checkpoint.load_tokenizer()
+        tokenizer = checkpoint.load_tokenizer(options.cache_dir)
     return ModelSource(checkpoint, bundle, tokenizer)
 
 

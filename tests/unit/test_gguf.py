@@ -508,6 +508,36 @@ def test_tokenizer_chat_template_and_special_ids(tmp_path: Path) -> None:
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_the_tokenizer_is_kept_and_loaded_from_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    meta, tensors = hf_to_gguf(build_hf_model("llama"), "llama")
+    checkpoint = open_checkpoint(write_gguf(tmp_path / "tok.gguf", "llama", meta, tensors))
+    built = checkpoint.load_tokenizer(tmp_path / "cache")
+    kept = list((tmp_path / "cache" / "tokenizers").iterdir())
+    assert len(kept) == 1 and (kept[0] / "tokenizer_config.json").is_file()
+    import transformers
+
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def no_gguf(*args, **kwargs):  # the second load must not convert the file again
+        assert "gguf_file" not in kwargs, "the tokenizer was built from the GGUF file again"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_gguf)
+    loaded = open_checkpoint(checkpoint.path).load_tokenizer(tmp_path / "cache")
+    text = "<|im_start|>the rain in spain<|im_end|>"
+    assert loaded.encode(text) == built.encode(text) and loaded.eos_token_id == built.eos_token_id
+    messages = [{"role": "user", "content": "hi"}]
+    assert (loaded.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            == built.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    # a damaged copy is built again, with a warning
+    (kept[0] / "tokenizer_config.json").write_text("{not json")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", real)
+    again = open_checkpoint(checkpoint.path).load_tokenizer(tmp_path / "cache")
+    assert again.encode(text) == built.encode(text)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_gguf)  # and kept again
+    assert open_checkpoint(checkpoint.path).load_tokenizer(tmp_path / "cache").encode(text) == built.encode(text)
+
+
 def test_files_and_no_tokenizer(tmp_path: Path) -> None:
     path = tiny_file(tmp_path)
     checkpoint = open_checkpoint(path)
