@@ -722,8 +722,8 @@ class GGUFReader(CheckpointReader):
 
 def _keep_tokenizer(tok: Any, target: Path) -> None:
     """Save ``tok`` at ``target``, written beside it and renamed into place so
-    that a concurrent reader never sees half of it; a cache that cannot be
-    written keeps nothing (logged at debug level)."""
+    that a concurrent reader never sees half of it; where that fails nothing is
+    kept (logged at debug level) and the next start builds it again."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
@@ -732,7 +732,8 @@ def _keep_tokenizer(tok: Any, target: Path) -> None:
             os.replace(scratch, target)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-    except OSError as e:  # read-only cache, or another process renamed its copy first
+    except Exception as e:  # noqa: BLE001 - a read-only cache, another process's copy renamed in first,
+        # or a tokenizer transformers cannot save: the load goes on, nothing kept
         logger.debug("the tokenizer was not kept in %s: %s", target, e)
 
 
