@@ -46,7 +46,7 @@ def cpu_flags() -> set[str]:
 # AVX512-BF16, or without AVX-512, gets.
 KERNEL_BUILDS: list[tuple[str, tuple[str, ...]]] = [("native", ())]
 if {"avx512f", "avx512_bf16"} <= cpu_flags():
-    KERNEL_BUILDS.append(("no-bf16-dot", ("-mno-avx512bf16",)))
+    KERNEL_BUILDS.append(("no-bf16-dot", ("-mno-avx512bf16", "-mno-avx512vnni")))
 if "avx512f" in cpu_flags():
     KERNEL_BUILDS.append(("avx2", ("-mno-avx512f",)))
 

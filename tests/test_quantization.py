@@ -1,7 +1,10 @@
 """Packed (weight-only quantized) linear layers through the whole runtime:
 ``quantization="int8"`` against transformers running the same int8-rounded
 weights, ``quantization="gguf"`` against kiln's dequantized model of the same
-file, compiled against eager, and the options' errors."""
+file, compiled against eager, and the options' errors. A packed layer rounds
+its activations to int8 per 32 elements (``round_activations``): each
+reference rounds the inputs of the same layers, so that it computes the same
+function in plain fp32."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from kiln import Runtime, SamplingParams
-from kiln.models.quant import quantize_int8
+from kiln.models.quant import QuantizedLinear, quantize_int8, round_activations
 from tests.conftest import build_hf_model, hf_greedy, kiln_cli, load_eager, random_prompts, save_checkpoint
 from tests.unit.test_gguf import hf_to_gguf, quantize, write_gguf
 
@@ -22,6 +25,27 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 # Q4_0, the MLP in Q4_1, the output matrix in Q8_0; norms stay F32.
 STORED = {"attn_q.": QT.Q4_0, "attn_k.": QT.Q4_0, "attn_v.": QT.Q4_0, "attn_output.": QT.Q4_0,
           "ffn_": QT.Q4_1, "output.weight": QT.Q8_0, "token_embd.": QT.Q8_0}
+
+
+def _round_inputs(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """A forward pre-hook: the layer's input rounded as a packed layer rounds it."""
+    x = args[0]
+    return (round_activations(x, x.shape[-1]).to(x.dtype), *args[1:])
+
+
+def _round_like(dense: Runtime, packed: Runtime) -> Runtime:
+    """``dense`` made to round the inputs of every layer ``packed`` keeps
+    packed, LM head included: the dequantized model computing what the packed
+    one computes."""
+    model, packed_model = dense.engine.runner.model, packed.engine.runner.model
+    names = [n for n, m in packed_model.named_modules() if isinstance(m, QuantizedLinear) and n != "packed_head"]
+    assert names
+    for name in names:
+        model.get_submodule(name).register_forward_pre_hook(_round_inputs)
+    if packed_model.packed_head is not None:
+        runner, head = dense.engine.runner, dense.engine.runner.compute_logits
+        runner.compute_logits = lambda h: head(_round_inputs(runner, (h,))[0])
+    return dense
 
 
 def _tokens(rt: Runtime, prompts: list[list[int]]) -> list[list[int]]:
@@ -40,7 +64,8 @@ def _tokens(rt: Runtime, prompts: list[list[int]]) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def int8_case(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]], list[list[int]]]:
     """A Llama checkpoint, prompts, and transformers' greedy tokens with every
-    linear weight replaced by its per-row int8 rounding (what kiln packs)."""
+    linear weight replaced by its per-row int8 rounding (what kiln packs) and
+    its input rounded as kiln rounds it."""
     model = build_hf_model("llama", seed=3)
     path = save_checkpoint(model, tmp_path_factory.mktemp("int8"))
     with torch.no_grad():
@@ -48,6 +73,7 @@ def int8_case(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list
             if isinstance(module, torch.nn.Linear):
                 q = quantize_int8(module.weight)
                 module.weight.copy_(q.values.float() * q.scales)
+                module.register_forward_pre_hook(_round_inputs)
     prompts = random_prompts(3, [5, 9, 17], model.config.vocab_size, seed=3)
     return path, prompts, [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
 
@@ -79,9 +105,9 @@ def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_gguf_blocks_kept_packed_give_the_dequantized_models_tokens(mixed_gguf: Path, tmp_path: Path) -> None:
     prompts = random_prompts(3, [4, 11, 19], 384, seed=8)
-    dense = _tokens(load_eager(mixed_gguf), prompts)
     packed = load_eager(mixed_gguf, quantization="gguf")
     assert packed.startup_report["packed_layers"] == {"q4": 2 * 4, "q8_0": 1}
+    dense = _tokens(_round_like(load_eager(mixed_gguf), packed), prompts)
     assert _tokens(packed, prompts) == dense
     compiled = Runtime.load(mixed_gguf, optimization_level=2, quantization="gguf", cache_dir=tmp_path,
                             compile_sizes=[1, 2])
@@ -98,7 +124,7 @@ def test_options_are_checked_before_loading(llama_checkpoint) -> None:
 def test_a_bundle_keeps_its_quantization(mixed_gguf: Path, tmp_path: Path) -> None:
     """``kiln compile --quantization gguf``: the bundle loads packed without being told."""
     prompts = random_prompts(2, [4, 11], 384, seed=9)
-    dense = _tokens(load_eager(mixed_gguf), prompts)
+    dense = _tokens(_round_like(load_eager(mixed_gguf), load_eager(mixed_gguf, quantization="gguf")), prompts)
     out = tmp_path / "bundle"
     proc = kiln_cli(["compile", str(mixed_gguf), "--out", str(out), "-O1", "--quantization", "gguf"])
     assert proc.returncode == 0, proc.stderr[-3000:]

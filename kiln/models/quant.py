@@ -28,6 +28,14 @@ while float vectors load directly (LM head of the 135M model at 1 token, 2
 threads: fp32 9.1 ms, q8_0 words as int32 8.1 ms, as float32 bit patterns 3.8
 ms; bench/results/quant-kernels-cpu-20261201-141255.json).
 
+A packed layer takes its activations rounded to int8 per 32 elements
+(``round_activations``), as llama.cpp's quantized products do: the C kernel
+then multiplies bytes by bytes with AVX512-VNNI (``kiln/compiler/
+cpu_linear.c``), and every other path (the eager op, the compiled reductions,
+``dequantize`` + ``linear``) rounds the same way, so that they compute the same
+function and a request's tokens do not depend on which one ran. Quality
+against the dense model: ``python -m bench.quantized`` (greedy agreement).
+
 The layer is one ``kiln::quantized_linear`` op in the traced graph. The compiler
 replaces it with plain torch code before Inductor sees it (``reduction`` for
 the few-token CPU pieces, where the dequantization fuses into the dot products;
@@ -50,15 +58,16 @@ from torch import nn
 from kiln.checkpoint import CheckpointError, QuantizedTensor
 
 __all__ = [
-    "FORMATS", "QUANTIZATION_MODES", "QUANTIZATION_PLAN_VERSION", "QuantFormat", "QuantizedLinear", "dequantize",
-    "pack", "quantize_int8",
+    "ACTIVATION_BLOCK", "FORMATS", "QUANTIZATION_MODES", "QUANTIZATION_PLAN_VERSION", "QuantFormat",
+    "QuantizedLinear", "dequantize", "pack", "quantize_int8", "round_activations",
     "packed_layers", "packed_linear", "quantized_linear", "reduction",
 ]
 
 QUANTIZATION_MODES = ("int8", "gguf")  # what Runtime.load(quantization=...) accepts besides None
 # Bumped when a mode's choice of packed layers or their layout changes: compiled
 # entries record it (through the cache key), as their graphs depend on both.
-QUANTIZATION_PLAN_VERSION = 1
+QUANTIZATION_PLAN_VERSION = 2  # 2: activations rounded to int8 (round_activations)
+ACTIVATION_BLOCK = 32  # activations share one int8 scale per this many elements along K
 
 
 @dataclass(frozen=True)
@@ -158,6 +167,20 @@ def dequantize(words: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor 
     return torch.reshape(w, (n, -1))
 
 
+def round_activations(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x [..., k]`` as float32, rounded to int8 per ``ACTIVATION_BLOCK``
+    elements: ``d = max|x| / 127`` and ``q = round(x * (1 / d))`` (half to
+    even, in -127..127; 0 where the block is all zeros), giving ``q * d``.
+    ``kiln_linear`` in ``cpu_linear.c`` rounds the same way, in the same fp32
+    operations. ``k``: ``x``'s last size (a multiple of the block), passed in
+    for callers tracing with proxies."""
+    blocks = torch.unflatten(_cast(x, torch.float32), -1, (k // ACTIVATION_BLOCK, ACTIVATION_BLOCK))
+    scale = torch.amax(torch.abs(blocks), -1, True) / 127.0
+    inverse = torch.where(scale > 0, torch.reciprocal(scale), 0.0)
+    q = torch.clamp(torch.round(blocks * inverse), -127.0, 127.0)
+    return torch.flatten(q * scale, -2)
+
+
 def reduction(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
               fmt: QuantFormat, shape: tuple[int, int] | None = None) -> torch.Tensor:
     """``x [S, K] @ weight.T`` in float32 as one reduction over K that unpacks
@@ -185,13 +208,16 @@ def reduction(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, offset
 def packed_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
                   bias: torch.Tensor | None, fmt: QuantFormat, *, as_reduction: bool,
                   shape: tuple[int, int] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The packed layer's output in ``dtype`` (default ``x``'s): by the
-    unpacking reduction, or by ``linear`` over the dequantized weight."""
+    """The packed layer's output in ``dtype`` (default ``x``'s) for
+    activations rounded by ``round_activations``: by the unpacking reduction,
+    or by ``linear`` over the dequantized weight."""
     dtype = dtype or x.dtype
+    _, g = shape or tuple(words.shape[:2])
+    x = round_activations(x, g * fmt.group)
     if as_reduction:
         out = _cast(reduction(x, words, scales, offsets, fmt, shape), dtype)
         return out + bias if bias is not None else out
-    return F.linear(x, _cast(dequantize(words, scales, offsets, fmt, shape), dtype), bias)
+    return F.linear(_cast(x, dtype), _cast(dequantize(words, scales, offsets, fmt, shape), dtype), bias)
 
 
 # ----------------------------------------------------------------------------- the op

@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from kiln.checkpoint import QuantizedTensor
 from kiln.compiler import cpu_linear
 from kiln.compiler.gemv import decompose_linears
-from kiln.models.quant import FORMATS, dequantize, pack, quantize_int8, quantized_linear
+from kiln.models.quant import FORMATS, dequantize, pack, quantize_int8, quantized_linear, round_activations
 from tests.conftest import KERNEL_BUILDS, cpu_flags
 
 
@@ -25,6 +25,7 @@ def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         assert built.isa == "avx2"
     elif name == "no-bf16-dot":
         assert built.isa == "avx512"
+        assert not built.vnni  # the packed kinds' fp32 products on AVX-512
     return built
 
 
@@ -33,6 +34,7 @@ def test_the_native_build_uses_the_widest_vectors_this_cpu_has(tmp_path) -> None
     flags = cpu_flags()
     want = ("avx512-bf16" if "avx512_bf16" in flags else "avx512") if "avx512f" in flags else "avx2"
     assert built.isa == want
+    assert built.vnni == ({"avx512f", "avx512_vnni"} <= flags)
 
 
 def _blocks(w: torch.Tensor, bits: int) -> QuantizedTensor:
@@ -74,18 +76,24 @@ def test_bf16_accumulates_in_fp32_and_rounds_once(kernel, rows: int, k: int) -> 
 
 @pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4"])
 @pytest.mark.parametrize("rows", [1, 2, 4, 7])
-def test_packed_formats_equal_their_dequantized_weight(kernel, fmt: str, rows: int) -> None:
-    torch.manual_seed(rows)
-    w = torch.randn(24, 128) * 0.1
+@pytest.mark.parametrize("k", [128, 192, 576])  # 192: q8_0's 6 groups, q4's 3 (a chunk of 2 cut short); 576: q4's 9
+def test_packed_formats_equal_their_dequantized_weight(kernel, fmt: str, rows: int, k: int) -> None:
+    """The kernel computes ``linear(round_activations(x), dequantized W)``:
+    with VNNI as integer dot products, elsewhere in fp32, on the same values."""
+    torch.manual_seed(rows * 1000 + k)
+    w = torch.randn(24, k) * 0.1
     q = quantize_int8(w) if fmt == "int8" else _blocks(w, 8 if fmt == "q8_0" else 4)
     words, scales, offsets = pack(q, FORMATS[fmt])
-    x, b = torch.randn(rows, 128), torch.randn(24)
-    want = F.linear(x, dequantize(words, scales, offsets, FORMATS[fmt]), b)
+    x, b = torch.randn(rows, k), torch.randn(24)
+    x[0, 32:64] = 0  # a block of zeros: scale 0, every value 0
+    weight = dequantize(words, scales, offsets, FORMATS[fmt])
+    want = F.linear(round_activations(x, k), weight, b)
     torch.testing.assert_close(kernel(x, words, scales, offsets, b, fmt), want, atol=1e-4, rtol=1e-4)
-    got16 = kernel(x.to(torch.bfloat16), words, scales, offsets, None, fmt)
+    x16 = x.to(torch.bfloat16)
+    got16 = kernel(x16, words, scales, offsets, None, fmt)
     assert got16.dtype == torch.bfloat16
-    torch.testing.assert_close(got16.float(), F.linear(x.to(torch.bfloat16).float(), dequantize(
-        words, scales, offsets, FORMATS[fmt])), atol=0.05, rtol=2 ** -7)
+    torch.testing.assert_close(got16.float(), F.linear(round_activations(x16, k), weight),
+                               atol=0.05, rtol=2 ** -7)
 
 
 def test_rows_of_any_shape_and_strides(kernel) -> None:

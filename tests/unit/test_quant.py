@@ -15,6 +15,7 @@ from kiln.checkpoint.gguf import dequantize as gguf_dequantize
 from kiln.checkpoint.gguf import split_blocks
 from kiln.models.quant import (
     FORMATS, QuantizedLinear, dequantize, format_for, pack, packed_linear, quantize_int8, reduction,
+    round_activations,
 )
 
 N, K = 48, 128
@@ -62,9 +63,30 @@ def test_reduction_equals_the_product_with_the_dequantized_weight(fmt: str, rows
     got = reduction(x, words, scales, offsets, FORMATS[fmt])
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3)
     bias = torch.randn(N)
+    rounded = round_activations(x, K) @ _reference(q).T + bias  # what a packed layer computes
     for as_reduction in (True, False):
         out = packed_linear(x, words, scales, offsets, bias, FORMATS[fmt], as_reduction=as_reduction)
-        torch.testing.assert_close(out, expected + bias, rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(out, rounded, rtol=1e-4, atol=1e-3)
+
+
+def test_activations_round_to_int8_per_block_of_32() -> None:
+    x = torch.randn(3, 2, 96) * torch.tensor([0.01, 1.0, 300.0]).repeat_interleave(32)  # blocks of unlike range
+    x[0, 0, 32:64] = 0.0
+    got = round_activations(x, 96)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    for row, out in zip(x.reshape(-1, 96), got.reshape(-1, 96)):
+        for b in range(3):
+            block, rounded = row[32 * b:32 * b + 32], out[32 * b:32 * b + 32]
+            scale = float(block.abs().max()) / 127
+            if scale == 0:
+                assert bool((rounded == 0).all())
+                continue
+            levels = rounded / scale  # every value is an integer multiple of the block's scale, |q| <= 127
+            torch.testing.assert_close(levels, levels.round(), atol=1e-3, rtol=0)
+            assert float(levels.abs().max()) == pytest.approx(127, abs=1e-3)
+            assert bool(((rounded - block).abs() <= scale / 2 * (1 + 1e-5)).all())  # to the nearest level
+    bf16 = round_activations(x.to(torch.bfloat16), 96)  # any dtype in, float32 out
+    assert bf16.dtype == torch.float32
 
 
 def test_int8_rounds_each_row_to_within_half_a_step() -> None:
@@ -113,5 +135,5 @@ def test_merged_layer_fills_each_projections_rows() -> None:
     with torch.no_grad():
         layer.bias.zero_()
     x = torch.randn(2, K)
-    expected = x @ torch.cat([_reference(first), _reference(second)]).T
+    expected = round_activations(x, K) @ torch.cat([_reference(first), _reference(second)]).T
     torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-3)
