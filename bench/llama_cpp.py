@@ -16,7 +16,8 @@ linears in Q4_1, embedding in Q8_0) unless ``--model`` names another GGUF.
 temporary directory: the same dequantized weights in both systems, and each
 system reads the very file the other one does. Per precision, kiln loads that
 file at ``--level`` (``dtype`` float32 or bfloat16; the Q4_1 file with
-``quantization="gguf"``, its blocks kept packed).
+``quantization="gguf"``, its blocks kept packed, and as ``q4_1-a8`` with
+``"gguf-a8"``, its activations also rounded to int8 as llama.cpp's are).
 
 The engines take turns (``bench.common.harness.run_engines``), one run each per
 round. A llama.cpp run is one ``llama-bench -p 512 -n 128 -r 1`` process (its own
@@ -60,6 +61,7 @@ PRECISIONS: dict[str, tuple[str | None, str, str | None]] = {
     "f32": ("F32", "float32", None),
     "bf16": ("BF16", "bfloat16", None),
     "q4_1": (None, "float32", "gguf"),
+    "q4_1-a8": (None, "float32", "gguf-a8"),  # kiln rounding the activations to int8, as llama.cpp does
 }
 
 

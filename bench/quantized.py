@@ -1,6 +1,8 @@
-"""Weight-only quantized linears on a real model: batch-1 decode with dense
-fp32 weights, with kiln's per-row int8 (``quantization="int8"``) and with the
-GGUF file's own blocks kept packed (``quantization="gguf"``), in one run.
+"""Quantized linears on a real model: batch-1 decode with dense fp32 weights,
+with kiln's per-row int8 (``quantization="int8"``) and with the GGUF file's
+own blocks kept packed (``quantization="gguf"``), both weight-only, and the
+same two with their activations rounded to int8 too (``"int8-a8"``,
+``"gguf-a8"``: integer products with AVX512-VNNI), in one run.
 
 Run from the repository root::
 
@@ -43,7 +45,7 @@ from bench.common.harness import BenchSettings, EngineSpec, run_engines
 from bench.common.models import chat_prompts, describe_model, load_tokenizer, resolve_model_arg
 from bench.common.report import RESULTS_DIR, RunRecord, fmt, markdown_table, publish
 
-MODES = ("dense", "int8", "gguf")  # "dense": quantization=None
+MODES = ("dense", "int8", "gguf", "int8-a8", "gguf-a8")  # "dense": quantization=None
 BASELINE = "transformers"  # eager; measured in the same run, taking turns with kiln
 
 
@@ -71,8 +73,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.smoke:
         args.model, args.max_tokens, args.repeats, args.prompts, args.agreement_tokens = "random-demo", 8, 1, 2, 8
     args.model_path = resolve_model_arg(args.model)
-    if "gguf" in args.modes and args.model_path.suffix.lower() != ".gguf":
-        args.modes.remove("gguf")  # a checkpoint directory has no blocks to keep
+    if args.model_path.suffix.lower() != ".gguf":  # a checkpoint directory has no blocks to keep
+        args.modes = [m for m in args.modes if not m.startswith("gguf")]
     return args
 
 

@@ -1,10 +1,10 @@
 """Packed (weight-only quantized) linear layers through the whole runtime:
 ``quantization="int8"`` against transformers running the same int8-rounded
 weights, ``quantization="gguf"`` against kiln's dequantized model of the same
-file, compiled against eager, and the options' errors. A packed layer rounds
-its activations to int8 per 32 elements (``round_activations``): each
-reference rounds the inputs of the same layers, so that it computes the same
-function in plain fp32."""
+file, compiled against eager, and the options' errors. The ``-a8`` modes also
+round the packed layers' inputs to int8 per 32 elements
+(``round_activations``): their reference rounds the inputs of the same layers,
+so that it computes the same function in plain fp32."""
 
 from __future__ import annotations
 
@@ -64,8 +64,7 @@ def _tokens(rt: Runtime, prompts: list[list[int]]) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def int8_case(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]], list[list[int]]]:
     """A Llama checkpoint, prompts, and transformers' greedy tokens with every
-    linear weight replaced by its per-row int8 rounding (what kiln packs) and
-    its input rounded as kiln rounds it."""
+    linear weight replaced by its per-row int8 rounding (what kiln packs)."""
     model = build_hf_model("llama", seed=3)
     path = save_checkpoint(model, tmp_path_factory.mktemp("int8"))
     with torch.no_grad():
@@ -73,7 +72,6 @@ def int8_case(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list
             if isinstance(module, torch.nn.Linear):
                 q = quantize_int8(module.weight)
                 module.weight.copy_(q.values.float() * q.scales)
-                module.register_forward_pre_hook(_round_inputs)
     prompts = random_prompts(3, [5, 9, 17], model.config.vocab_size, seed=3)
     return path, prompts, [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
 
@@ -105,26 +103,45 @@ def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_gguf_blocks_kept_packed_give_the_dequantized_models_tokens(mixed_gguf: Path, tmp_path: Path) -> None:
     prompts = random_prompts(3, [4, 11, 19], 384, seed=8)
+    dense = _tokens(load_eager(mixed_gguf), prompts)
     packed = load_eager(mixed_gguf, quantization="gguf")
     assert packed.startup_report["packed_layers"] == {"q4": 2 * 4, "q8_0": 1}
-    dense = _tokens(_round_like(load_eager(mixed_gguf), packed), prompts)
     assert _tokens(packed, prompts) == dense
     compiled = Runtime.load(mixed_gguf, optimization_level=2, quantization="gguf", cache_dir=tmp_path,
                             compile_sizes=[1, 2])
     assert _tokens(compiled, prompts) == dense
 
 
+@pytest.mark.parametrize("level", [0, 2])
+def test_rounded_activations_give_the_rounded_dequantized_models_tokens(mixed_gguf: Path, level: int,
+                                                                        tmp_path: Path) -> None:
+    """``quantization="gguf-a8"``: eager and compiled (the C kernel with VNNI
+    where the CPU has it, the reductions and ``linear`` elsewhere), alone, in
+    pairs and together, give the tokens of the dequantized model whose packed
+    layers' inputs are rounded."""
+    prompts = random_prompts(3, [4, 11, 19], 384, seed=8)
+    rt = Runtime.load(mixed_gguf, optimization_level=level, quantization="gguf-a8", cache_dir=tmp_path,
+                      compile_sizes=[1, 2])
+    assert rt.startup_report["packed_layers"] == {"q4-a8": 2 * 4, "q8_0-a8": 1}
+    assert rt.startup_report["quantization"] == "gguf-a8"
+    dense = _tokens(_round_like(load_eager(mixed_gguf), rt), prompts)
+    assert _tokens(rt, prompts) == dense
+
+
 def test_options_are_checked_before_loading(llama_checkpoint) -> None:
-    with pytest.raises(ValueError, match=r"quantization must be None or one of \['int8', 'gguf'\], got 'int4'"):
+    with pytest.raises(ValueError, match=r"quantization must be None or one of \['int8', 'gguf', 'int8-a8', "
+                                         r"'gguf-a8'\], got 'int4'"):
         Runtime.load(llama_checkpoint[0], quantization="int4")
     with pytest.raises(ValueError, match="quantization='gguf' keeps a GGUF file's .* is a hf checkpoint"):
         load_eager(llama_checkpoint[0], quantization="gguf")
+    with pytest.raises(ValueError, match="quantization='gguf-a8' keeps .* is a hf checkpoint; use 'int8-a8'"):
+        load_eager(llama_checkpoint[0], quantization="gguf-a8")
 
 
 def test_a_bundle_keeps_its_quantization(mixed_gguf: Path, tmp_path: Path) -> None:
     """``kiln compile --quantization gguf``: the bundle loads packed without being told."""
     prompts = random_prompts(2, [4, 11], 384, seed=9)
-    dense = _tokens(_round_like(load_eager(mixed_gguf), load_eager(mixed_gguf, quantization="gguf")), prompts)
+    dense = _tokens(load_eager(mixed_gguf), prompts)
     out = tmp_path / "bundle"
     proc = kiln_cli(["compile", str(mixed_gguf), "--out", str(out), "-O1", "--quantization", "gguf"])
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -32,12 +32,13 @@
  *   value of a packed element: int8, q8_0: scale * q (q signed);
  *                              q4: scale * q + offset (q in 0..15).
  *
- * Packed kinds take their activations rounded to int8 per 32 elements
- * (round_blocks; kiln.models.quant.round_activations is the same rounding in
- * torch), as llama.cpp's quantized products do. With AVX512-VNNI the integer
- * products are summed by vpdpbusd, four at a time (vnni_row); elsewhere the
- * rounded values are multiplied in fp32 (packed_row): the same numbers either
- * way, up to the order of the fp32 sums.
+ * A packed kind or'ed with KILN_ROUND_X takes its activations rounded to int8
+ * per 32 elements (round_blocks; kiln.models.quant.round_activations is the
+ * same rounding in torch), as llama.cpp's quantized products do. With
+ * AVX512-VNNI the integer products are then summed by vpdpbusd, four at a time
+ * (vnni_row); elsewhere the rounded values are multiplied in fp32
+ * (packed_row): the same numbers either way, up to the order of the fp32 sums.
+ * Without the flag the activations are used as they are (packed_row).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -82,6 +83,9 @@
 
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_INT8 = 2, KIND_Q8_0 = 3, KIND_Q4 = 4,
        KIND_BF16_DP = 5 /* internal: bf16 weights and activations, AVX512-BF16 */ };
+/* Or'ed into a packed kind: its activations rounded to int8 per 32 elements
+ * (kiln.models.quant's ``-a8`` formats), multiplied as integers with VNNI. */
+#define KILN_ROUND_X 16
 
 static inline float hsum8(__m256 v) {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -206,9 +210,7 @@ static inline __attribute__((always_inline)) void dense_bf16_dp(
  * scale * q * x, with q8_0's and q4's scales per 32 elements applied;
  * packed_finish adds int8's row scale and q4's offsets (taken from the
  * activations' block sums). */
-#if KILN_VNNI
-/* integer products: vnni_row, below */
-#elif KILN_AVX512
+#if KILN_AVX512
 /* Sixteen bytes of words (four words) widened to 16 int32 lanes in memory
  * order, so lane 4j + b holds byte b of word j: element 8b + j of an 8-bit
  * group (words 0-3 of it; 8b + j + 4 for words 4-7), and for 4-bit words
@@ -365,10 +367,10 @@ static inline float offsets_dot(const float *offsets, const float *xsum, int64_t
 }
 
 /* The offsets' and the row scale's share, after packed_row's sum. */
-static inline float packed_finish(int kind, float s, const float *scales, const float *offsets, const float *xsum,
-                                  int64_t k) {
+static inline float packed_finish(int kind, int vnni, float s, const float *scales, const float *offsets,
+                                  const float *xsum, int64_t k) {
     if (kind == KIND_INT8) s *= scales[0];
-    if (kind == KIND_Q4 && !KILN_VNNI) s += offsets_dot(offsets, xsum, k / 32);  /* vnni_row adds its own */
+    if (kind == KIND_Q4 && !vnni) s += offsets_dot(offsets, xsum, k / 32);  /* vnni_row adds its own */
     return s;
 }
 
@@ -601,9 +603,10 @@ static inline __attribute__((always_inline)) void rows_dense(
     }
 }
 
-/* ``xa``: the prepared activations (VnniRows with VNNI, else fp32 rows). */
+/* ``xa``: the prepared activations (prepare_packed): VnniRows where ``vnni``,
+ * else fp32 rows. */
 static inline __attribute__((always_inline)) void rows_packed(
-        int kind, const void *xa, const float *xsum, const int m, int64_t k, const int32_t *words,
+        int kind, int vnni, const void *xa, const float *xsum, const int m, int64_t k, const int32_t *words,
         const float *scales, const float *offsets, int64_t j0, int64_t j1, const void *bias, void *out,
         int out_bf16, int64_t out_stride) {
     const int64_t per_row_scales = kind == KIND_INT8 ? 1 : k / 32;
@@ -613,18 +616,21 @@ static inline __attribute__((always_inline)) void rows_packed(
         const float *sp = scales + j * per_row_scales;
         const float *op = offsets ? offsets + j * (k / 32) : NULL;
 #if KILN_VNNI
-        if (kind == KIND_Q4) vnni_row(KIND_Q4, (const VnniRows *)xa, k, wp, sp, op, m, res);
-        else if (kind == KIND_Q8_0) vnni_row(KIND_Q8_0, (const VnniRows *)xa, k, wp, sp, NULL, m, res);
-        else vnni_row(KIND_INT8, (const VnniRows *)xa, k, wp, sp, NULL, m, res);
-#else
-        const float *xf = (const float *)xa;
-        if (kind == KIND_Q4) packed_row(KIND_Q4, xf, k, wp, sp, m, res);
-        else if (kind == KIND_Q8_0) packed_row(KIND_Q8_0, xf, k, wp, sp, m, res);
-        else packed_row(KIND_INT8, xf, k, wp, sp, m, res);
+        if (vnni) {
+            if (kind == KIND_Q4) vnni_row(KIND_Q4, (const VnniRows *)xa, k, wp, sp, op, m, res);
+            else if (kind == KIND_Q8_0) vnni_row(KIND_Q8_0, (const VnniRows *)xa, k, wp, sp, NULL, m, res);
+            else vnni_row(KIND_INT8, (const VnniRows *)xa, k, wp, sp, NULL, m, res);
+        } else
 #endif
+        {
+            const float *xf = (const float *)xa;
+            if (kind == KIND_Q4) packed_row(KIND_Q4, xf, k, wp, sp, m, res);
+            else if (kind == KIND_Q8_0) packed_row(KIND_Q8_0, xf, k, wp, sp, m, res);
+            else packed_row(KIND_INT8, xf, k, wp, sp, m, res);
+        }
         for (int i = 0; i < m; i++)
             store(out, out_bf16, i * out_stride + j,
-                  packed_finish(kind, res[i], sp, op, xsum + i * (k / 32), k) + bias_at(bias, out_bf16, j));
+                  packed_finish(kind, vnni, res[i], sp, op, xsum + i * (k / 32), k) + bias_at(bias, out_bf16, j));
     }
 }
 
@@ -632,11 +638,11 @@ static inline __attribute__((always_inline)) void rows_packed(
     case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
     case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); break; }
 
-static void rows(int kind, const void *xa, const float *xsum, int m, int64_t k, const void *w, const float *scales,
-                 const float *offsets, int64_t j0, int64_t j1, const void *bias, void *out, int out_bf16,
-                 int64_t out_stride) {
+static void rows(int kind, int vnni, const void *xa, const float *xsum, int m, int64_t k, const void *w,
+                 const float *scales, const float *offsets, int64_t j0, int64_t j1, const void *bias, void *out,
+                 int out_bf16, int64_t out_stride) {
 #define DENSE(M) rows_dense(kind, xa, M, k, w, j0, j1, bias, out, out_bf16, out_stride)
-#define PACKED(M) rows_packed(kind, xa, xsum, M, k, (const int32_t *)w, scales, offsets, j0, j1, \
+#define PACKED(M) rows_packed(kind, vnni, xa, xsum, M, k, (const int32_t *)w, scales, offsets, j0, j1, \
                               bias, out, out_bf16, out_stride)
     if (kind <= KIND_BF16 || kind == KIND_BF16_DP) { SWITCH_M(m, DENSE) } else { SWITCH_M(m, PACKED) }
 #undef DENSE
@@ -657,22 +663,30 @@ static void *carve(unsigned char *base, size_t *used, size_t bytes) {
     return p;
 }
 
-/* The packed kinds' activations from the fp32 rows ``xbuf``: rounded to int8
- * per 32 elements (round_blocks), with their block sums in ``xsum``; then
- * laid out for vnni_row in ``*vr``, or written back into ``xbuf`` as the
- * rounded fp32 values (with AVX-512 also permuted into the words' order for
- * packed_row). Returns what the rows take, or NULL when memory could not be
- * allocated; ``*heap`` is for the caller to free. */
-static const void *prepare_packed(int kind, float *xbuf, int64_t m, int64_t k, float *xsum, unsigned char *local,
-                                  size_t local_bytes, void **heap, void *vr) {
+/* The packed kinds' activations from the fp32 rows ``xbuf``, with their
+ * 32-element block sums in ``xsum`` (for q4's offsets). ``round_x``: rounded
+ * to int8 per 32 elements (round_blocks), then with VNNI laid out for
+ * vnni_row in ``*vr`` (``*vnni`` set), else written back into ``xbuf`` as the
+ * rounded fp32 values; otherwise as they are. For packed_row with AVX-512,
+ * fp32 rows are permuted into the words' order. Returns what the rows take,
+ * or NULL when memory could not be allocated; ``*heap`` is for the caller to
+ * free. */
+static const void *prepare_packed(int kind, int round_x, float *xbuf, int64_t m, int64_t k, float *xsum,
+                                  unsigned char *local, size_t local_bytes, void **heap, void *vr, int *vnni) {
     const int64_t blocks = m * (k / 32);
-    size_t need = ((size_t)(m * k) + 63) / 64 * 64 + ((size_t)blocks * 4 + 63) / 64 * 64;
+    *vnni = 0;
+    size_t need = 0;
+    if (round_x) need += ((size_t)(m * k) + 63) / 64 * 64 + ((size_t)blocks * 4 + 63) / 64 * 64;
 #if KILN_VNNI
     VnniRows *v = (VnniRows *)vr;
-    v->chunks = vnni_chunks(kind, k);
-    v->xq_row = v->chunks * (kind == KIND_Q4 ? 128 : 64);
-    v->dxe_row = v->chunks * 16;
-    need += (size_t)(m * v->xq_row) + (size_t)(m * v->dxe_row) * 4 + (size_t)(m * v->chunks * 16) * 4 + 3 * 64;
+    if (round_x) {
+        v->chunks = vnni_chunks(kind, k);
+        v->xq_row = v->chunks * (kind == KIND_Q4 ? 128 : 64);
+        v->dxe_row = v->chunks * 16;
+        need += (size_t)(m * v->xq_row) + (size_t)(m * v->dxe_row) * 4 + (size_t)(m * v->chunks * 16) * 4 + 3 * 64;
+    } else {
+        need += (size_t)(m * k) * 4 + 64;
+    }
 #elif KILN_AVX512
     (void)vr;
     need += (size_t)(m * k) * 4 + 64;
@@ -685,25 +699,34 @@ static const void *prepare_packed(int kind, float *xbuf, int64_t m, int64_t k, f
         if (!base) return NULL;
     }
     size_t used = 0;
-    int8_t *q = carve(base, &used, (size_t)(m * k));
-    float *d = carve(base, &used, (size_t)blocks * 4);
-    round_blocks(xbuf, blocks, q, d, xsum);
+    if (round_x) {
+        int8_t *q = carve(base, &used, (size_t)(m * k));
+        float *d = carve(base, &used, (size_t)blocks * 4);
+        round_blocks(xbuf, blocks, q, d, xsum);
 #if KILN_VNNI
-    v->xq = carve(base, &used, (size_t)(m * v->xq_row));
-    v->dxe = carve(base, &used, (size_t)(m * v->dxe_row) * 4);
-    v->corr = carve(base, &used, (size_t)(m * v->chunks * 16) * 4);
-    v->xsum = xsum;
-    vnni_layout(kind, q, d, m, k, v);
-    return v;
+        v->xq = carve(base, &used, (size_t)(m * v->xq_row));
+        v->dxe = carve(base, &used, (size_t)(m * v->dxe_row) * 4);
+        v->corr = carve(base, &used, (size_t)(m * v->chunks * 16) * 4);
+        v->xsum = xsum;
+        vnni_layout(kind, q, d, m, k, v);
+        *vnni = 1;
+        return v;
 #else
-    for (int64_t e = 0; e < m * k; e++) xbuf[e] = (float)q[e] * d[e / 32];
+        for (int64_t e = 0; e < m * k; e++) xbuf[e] = (float)q[e] * d[e / 32];
+#endif
+    } else if (kind == KIND_Q4) {
+        for (int64_t b = 0; b < blocks; b++) {
+            float s = 0.0f;
+            for (int t = 0; t < 32; t++) s += xbuf[b * 32 + t];
+            xsum[b] = s;
+        }
+    }
 #if KILN_AVX512
     float *perm = carve(base, &used, (size_t)(m * k) * 4);
     permute_packed(kind, xbuf, perm, m, k);
     return perm;
 #else
     return xbuf;
-#endif
 #endif
 }
 
@@ -713,14 +736,16 @@ static const void *prepare_packed(int kind, float *xbuf, int64_t m, int64_t k, f
 int kiln_linear(int kind, const void *x, int x_bf16, int64_t x_stride, int64_t m, const void *w,
                 const float *scales, const float *offsets, int64_t n, int64_t k, const void *bias, void *out,
                 int out_bf16, int64_t out_stride, int threads) {
+    const int round_x = (kind & KILN_ROUND_X) != 0;
+    kind &= ~KILN_ROUND_X;
+    if (round_x && kind < KIND_INT8) return -1;
     if (m < 1 || m > KILN_MAX_ROWS || k < 1 || k > KILN_MAX_K || n < 1 || kind < KIND_F32 || kind > KIND_Q4)
         return -1;
     if ((kind == KIND_INT8 || kind == KIND_Q8_0) && k % 32) return -1;
     if (kind == KIND_Q4 && (k % 64 || !offsets)) return -1;
     /* The activations as the rows take them: contiguous fp32 rows, bf16 rows
-     * for the bf16 dot product, or for the packed kinds rounded to int8
-     * (prepare_packed) with their 32-element block sums (``sbuf``, for q4's
-     * offsets). */
+     * for the bf16 dot product, or for the packed kinds as prepare_packed
+     * makes them, with their 32-element block sums (``sbuf``). */
     float xf[KILN_MAX_ROWS * 1024], xs[KILN_MAX_ROWS * 32];
     _Alignas(64) unsigned char scratch[KILN_MAX_ROWS * 4096];
     float *xbuf = buffer(xf, KILN_MAX_ROWS * 1024, m * k, sizeof(float));
@@ -732,7 +757,7 @@ int kiln_linear(int kind, const void *x, int x_bf16, int64_t x_stride, int64_t m
 #else
     char vr;  /* unused */
 #endif
-    int rc = -2;
+    int rc = -2, vnni = 0;
     if (!xbuf || !sbuf) goto done;
     if (KILN_DPBF16 && kind == KIND_BF16 && x_bf16) {
         uint16_t *xh = (uint16_t *)xbuf;  /* half the fp32 buffer's bytes */
@@ -746,7 +771,7 @@ int kiln_linear(int kind, const void *x, int x_bf16, int64_t x_stride, int64_t m
                                          : ((const float *)x)[i * x_stride + t];
     }
     if (kind >= KIND_INT8 && kind <= KIND_Q4) {
-        xa = prepare_packed(kind, xbuf, m, k, sbuf, scratch, sizeof scratch, &heap, &vr);
+        xa = prepare_packed(kind, round_x, xbuf, m, k, sbuf, scratch, sizeof scratch, &heap, &vr, &vnni);
         if (!xa) goto done;
     }
     /* each thread takes a contiguous share of the output rows, a multiple of 4 */
@@ -760,7 +785,8 @@ int kiln_linear(int kind, const void *x, int x_bf16, int64_t x_stride, int64_t m
 #endif
         const int64_t c0 = chunks * id / nt, c1 = chunks * (id + 1) / nt;
         const int64_t j0 = c0 * 4, j1 = c1 * 4 < n ? c1 * 4 : n;
-        if (j0 < j1) rows(kind, xa, sbuf, (int)m, k, w, scales, offsets, j0, j1, bias, out, out_bf16, out_stride);
+        if (j0 < j1) rows(kind, vnni, xa, sbuf, (int)m, k, w, scales, offsets, j0, j1, bias, out, out_bf16,
+                          out_stride);
     }
     rc = 0;
 done:

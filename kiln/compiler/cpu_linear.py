@@ -19,12 +19,13 @@ bench.cpu_kernels --only cpu-linear``):
   2.9 and 3.6 ms against ``mm``'s 4.0, 4.2 and 4.4 ms; at one row int8 1.3,
   q8_0 1.5 and q4 1.2 ms against Inductor's 10.7, 11.3 and 6.7 ms.
 
-Packed weights take their activations rounded to int8 per 32 elements
-(``kiln.models.quant.round_activations``, as every path of a packed layer
-does); with AVX512-VNNI (``CpuLinearKernel.vnni``) the kernel multiplies the
-bytes as integers, four products summed by one instruction, which made a one-row
-q4 layer 1.4-2.0x as fast from cache and brought one streamed from DRAM to 29
-GB/s (``vnni_row`` in the C source has the measurements).
+The packed formats ending in ``-a8`` round their activations to int8 per 32
+elements (``kiln.models.quant.round_activations``, as every path of such a
+layer does); with AVX512-VNNI (``CpuLinearKernel.vnni``) the kernel then
+multiplies the bytes as integers, four products summed by one instruction,
+which made a one-row q4 layer 1.15-2.0x as fast from cache and brought one
+streamed from DRAM to 29 GB/s (``vnni_row`` in the C source has the
+measurements).
 
 Inside a compiled piece the op is an extern call that Inductor schedules
 between its fused kernels; its fake implementation gives the output's shape.
@@ -50,8 +51,10 @@ __all__ = ["DENSE_KINDS", "MAX_ROWS", "PACKED_KINDS", "CpuLinearKernel", "Kernel
 SOURCE = NativeSource(Path(__file__).with_name("cpu_linear.c"), "cpu-linear")
 MAX_ROWS = 8  # KILN_MAX_ROWS: activation rows one call takes
 MAX_K = 65536  # KILN_MAX_K
+_ROUND_X = 16  # KILN_ROUND_X: or'ed into a packed kind whose activations are rounded (the "-a8" formats)
 _KINDS = {"f32": 0, "bf16": 1, "int8": 2, "q8_0": 3, "q4": 4}  # enum in cpu_linear.c
-PACKED_KINDS = ("int8", "q8_0", "q4")
+_KINDS |= {f"{name}-a8": code | _ROUND_X for name, code in _KINDS.items() if code >= 2}
+PACKED_KINDS = ("int8", "q8_0", "q4", "int8-a8", "q8_0-a8", "q4-a8")
 DENSE_KINDS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
@@ -100,8 +103,8 @@ class CpuLinearKernel:
         isa.restype = ctypes.c_char_p
         self.isa: str = isa().decode()  # "avx512-bf16", "avx512" or "avx2": the vectors it was built with
         self.policy = LinearPolicy(self.isa)
-        # packed kinds: products of int8 weights and int8-rounded activations summed
-        # as integers (AVX512-VNNI), else of the same values in fp32
+        # the "-a8" kinds: products of the packed integers and the int8-rounded
+        # activations summed as integers (AVX512-VNNI), else of the same values in fp32
         self.vnni: bool = bool(library.kiln_linear_vnni())
         fn = library.kiln_linear
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

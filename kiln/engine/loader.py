@@ -195,13 +195,14 @@ def _compilation_for(options: LoadOptions, bundle: Bundle | None) -> Compilation
 
 
 def _quantization_for(options: LoadOptions, source: ModelSource) -> str | None:
-    """The quantization asked for, else the bundle's; ``gguf`` needs a GGUF file."""
+    """The quantization asked for, else the bundle's; ``gguf`` (``-a8``) needs a GGUF file."""
     quantization = options.quantization
     if quantization is None and source.bundle is not None:
         quantization = (source.bundle.manifest["factors"]["model"].get("quantization") or {}).get("mode")
-    if quantization == "gguf" and source.checkpoint.format != "gguf":
-        raise ValueError(f"quantization='gguf' keeps a GGUF file's Q8_0/Q4_0/Q4_1 blocks packed, but "
-                         f"{source.checkpoint.path} is a {source.checkpoint.format} checkpoint; use 'int8'")
+    if quantization in ("gguf", "gguf-a8") and source.checkpoint.format != "gguf":
+        raise ValueError(f"quantization={quantization!r} keeps a GGUF file's Q8_0/Q4_0/Q4_1 blocks packed, but "
+                         f"{source.checkpoint.path} is a {source.checkpoint.format} checkpoint; use "
+                         f"{quantization.replace('gguf', 'int8')!r}")
     return quantization
 
 

@@ -53,9 +53,10 @@ def _add_model_options(p: argparse.ArgumentParser, levels: list[int]) -> None:
                    help="CUDA graph mode (GPU only; default: the level's)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
-    p.add_argument("--quantization", default=None, choices=["int8", "gguf"],
+    p.add_argument("--quantization", default=None, choices=["int8", "gguf", "int8-a8", "gguf-a8"],
                    help="packed linear layers: int8 (per-row int8 from any checkpoint) or gguf (a GGUF file's "
-                        "Q8_0/Q4_0/Q4_1 tensors kept as stored); default: dense weights (a bundle's setting)")
+                        "Q8_0/Q4_0/Q4_1 tensors kept as stored); -a8 also rounds their inputs to int8 (faster "
+                        "with AVX512-VNNI, as llama.cpp); default: dense weights (a bundle's setting)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("-v", "--verbose", action="store_true", help="log progress and print reports")
 

@@ -118,7 +118,10 @@ class Runtime:
         still raises before anything serves. ``quantization`` packs the linear
         layers and LM head (``kiln.models.quant``): ``"int8"`` quantizes any
         checkpoint's weights per row; ``"gguf"`` keeps a GGUF file's Q8_0,
-        Q4_0 and Q4_1 tensors as stored (other types stay dense). It pays with
+        Q4_0 and Q4_1 tensors as stored (other types stay dense);
+        ``"int8-a8"`` and ``"gguf-a8"`` also round the packed layers' inputs
+        to int8 per 32 elements, as llama.cpp does (integer products with
+        AVX512-VNNI; greedy tokens further from the dense model's). It pays with
         compiled pieces (``-O1`` and above); eagerly each call dequantizes. ``cache_dir`` holds compiled entries (default: kiln's cache
         directory). ``attention_backend`` is ``"auto"`` (Triton on CUDA, torch
         elsewhere), ``"torch"`` or ``"triton"``; left as ``None`` it comes from

@@ -19,7 +19,7 @@ from kiln.checkpoint import CheckpointError, CheckpointReader, QuantizedTensor, 
 from kiln.models.config import ModelConfig
 from kiln.models.interface import CausalLM
 from kiln.models.layers import MergedLinear, RMSNorm, RotaryEmbedding
-from kiln.models.quant import FORMATS, QuantFormat, QuantizedLinear, quantize_int8
+from kiln.models.quant import FORMATS, ROUNDED_SUFFIX, QuantFormat, QuantizedLinear, quantize_int8
 
 __all__ = ["DecoderModel"]
 
@@ -147,7 +147,8 @@ class DecoderModel(CausalLM):
         """Replace linear layers (and the LM head) by packed ones, on the meta
         device before materialising: every one for ``"int8"``; for ``"gguf"``
         those whose checkpoint tensors are all Q8_0, or all Q4_0/Q4_1 (others
-        stay dense, dequantized at load). Returns module name -> format."""
+        stay dense, dequantized at load); the ``-a8`` modes as these, their
+        inputs rounded to int8. Returns module name -> format."""
         types = {self._destination(t.name): t.dtype for t in tensors}
         plan: dict[str, str] = {}
         for name, module in list(self.named_modules()):
@@ -240,7 +241,8 @@ class DecoderModel(CausalLM):
         if not read:
             return
         q: QuantizedTensor | None
-        q = quantize_int8(reader.get(info.name)) if self.quantization == "int8" else reader.get_quantized(info.name)
+        per_row = self.quantization is not None and self.quantization.removesuffix(ROUNDED_SUFFIX) == "int8"
+        q = quantize_int8(reader.get(info.name)) if per_row else reader.get_quantized(info.name)
         if q is None:
             raise CheckpointError(f"{where} ({info.dtype}) cannot be read packed for quantization="
                                   f"{self.quantization!r}")
@@ -273,12 +275,14 @@ _GGUF_PACKED = {"Q8_0": "q8_0", "Q4_0": "q4", "Q4_1": "q4"}
 
 def _plan_format(mode: str, stored: list[str | None], in_features: int) -> QuantFormat | None:
     """The packed format of a layer whose checkpoint tensors are stored as
-    ``stored``, or None to keep it dense."""
-    if mode == "int8":
+    ``stored``, or None to keep it dense (``-a8`` modes: its rounded form)."""
+    if mode.removesuffix(ROUNDED_SUFFIX) == "int8":
         fmt = FORMATS["int8"]
     else:
         names = {_GGUF_PACKED.get(t or "") for t in stored}
         if len(names) != 1 or None in names:
             return None
         fmt = FORMATS[names.pop()]  # type: ignore[index]
+    if mode.endswith(ROUNDED_SUFFIX):
+        fmt = fmt.rounded()
     return fmt if in_features % fmt.k_multiple() == 0 else None

@@ -28,13 +28,16 @@ while float vectors load directly (LM head of the 135M model at 1 token, 2
 threads: fp32 9.1 ms, q8_0 words as int32 8.1 ms, as float32 bit patterns 3.8
 ms; bench/results/quant-kernels-cpu-20261201-141255.json).
 
-A packed layer takes its activations rounded to int8 per 32 elements
+The modes ending in ``-a8`` (``"int8-a8"``, ``"gguf-a8"``) pack the same
+weights and round each packed layer's activations to int8 per 32 elements
 (``round_activations``), as llama.cpp's quantized products do: the C kernel
 then multiplies bytes by bytes with AVX512-VNNI (``kiln/compiler/
 cpu_linear.c``), and every other path (the eager op, the compiled reductions,
-``dequantize`` + ``linear``) rounds the same way, so that they compute the same
-function and a request's tokens do not depend on which one ran. Quality
-against the dense model: ``python -m bench.quantized`` (greedy agreement).
+``dequantize`` + ``linear``) rounds the same way, so that they compute one
+function and a request's tokens do not depend on which path ran. This is no
+longer weight-only: greedy tokens agree less with the dense model (``python
+-m bench.quantized``), which is why it is a mode of its own. Its formats are
+the packed ones with ``-a8`` appended (``q4-a8``).
 
 The layer is one ``kiln::quantized_linear`` op in the traced graph. The compiler
 replaces it with plain torch code before Inductor sees it (``reduction`` for
@@ -45,6 +48,7 @@ dequantizes the whole weight on every call, which is correct but slow.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from collections import Counter
@@ -63,10 +67,12 @@ __all__ = [
     "packed_layers", "packed_linear", "quantized_linear", "reduction",
 ]
 
-QUANTIZATION_MODES = ("int8", "gguf")  # what Runtime.load(quantization=...) accepts besides None
+# what Runtime.load(quantization=...) accepts besides None; "-a8": activations rounded to int8 too
+QUANTIZATION_MODES = ("int8", "gguf", "int8-a8", "gguf-a8")
+ROUNDED_SUFFIX = "-a8"
 # Bumped when a mode's choice of packed layers or their layout changes: compiled
 # entries record it (through the cache key), as their graphs depend on both.
-QUANTIZATION_PLAN_VERSION = 2  # 2: activations rounded to int8 (round_activations)
+QUANTIZATION_PLAN_VERSION = 2  # 2: the -a8 modes; the ops' formats may carry the suffix
 ACTIVATION_BLOCK = 32  # activations share one int8 scale per this many elements along K
 
 
@@ -78,6 +84,16 @@ class QuantFormat:
     bits: int
     block: int | None  # elements per scale along K; None: one scale per row
     has_offsets: bool
+    round_activations: bool = False  # the layer's input rounded to int8 per 32 (``round_activations``)
+
+    @property
+    def packing(self) -> str:
+        """The name of the weights' layout, without the ``-a8`` suffix."""
+        return self.name.removesuffix(ROUNDED_SUFFIX)
+
+    def rounded(self) -> "QuantFormat":
+        """The same packing with the activations rounded."""
+        return FORMATS[self.packing + ROUNDED_SUFFIX]
 
     @property
     def group(self) -> int:
@@ -93,10 +109,10 @@ class QuantFormat:
         return n * k * self.bits // 8 + 4 * scales * (2 if self.has_offsets else 1)
 
 
-FORMATS = {
-    "int8": QuantFormat("int8", 8, None, False),
-    "q8_0": QuantFormat("q8_0", 8, 32, False),
-    "q4": QuantFormat("q4", 4, 32, True),
+_PACKINGS = [QuantFormat("int8", 8, None, False), QuantFormat("q8_0", 8, 32, False), QuantFormat("q4", 4, 32, True)]
+FORMATS = {f.name: f for f in _PACKINGS} | {
+    f.name + ROUNDED_SUFFIX: dataclasses.replace(f, name=f.name + ROUNDED_SUFFIX, round_activations=True)
+    for f in _PACKINGS
 }
 
 
@@ -208,16 +224,19 @@ def reduction(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, offset
 def packed_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
                   bias: torch.Tensor | None, fmt: QuantFormat, *, as_reduction: bool,
                   shape: tuple[int, int] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The packed layer's output in ``dtype`` (default ``x``'s) for
-    activations rounded by ``round_activations``: by the unpacking reduction,
-    or by ``linear`` over the dequantized weight."""
+    """The packed layer's output in ``dtype`` (default ``x``'s), its input
+    first rounded where ``fmt`` says (``round_activations``): by the unpacking
+    reduction, or by ``linear`` over the dequantized weight."""
     dtype = dtype or x.dtype
-    _, g = shape or tuple(words.shape[:2])
-    x = round_activations(x, g * fmt.group)
+    if fmt.round_activations:
+        _, g = shape or tuple(words.shape[:2])
+        x = round_activations(x, g * fmt.group)
     if as_reduction:
         out = _cast(reduction(x, words, scales, offsets, fmt, shape), dtype)
         return out + bias if bias is not None else out
-    return F.linear(_cast(x, dtype), _cast(dequantize(words, scales, offsets, fmt, shape), dtype), bias)
+    if fmt.round_activations:
+        x = _cast(x, dtype)
+    return F.linear(x, _cast(dequantize(words, scales, offsets, fmt, shape), dtype), bias)
 
 
 # ----------------------------------------------------------------------------- the op
@@ -279,9 +298,9 @@ class QuantizedLinear(nn.Module):
         if tuple(q.values.shape) != (rows, self.in_features):
             raise CheckpointError(f"{source} has shape {tuple(q.values.shape)}, "
                                   f"expected {(rows, self.in_features)} from the checkpoint's config")
-        if format_for(q) != self.fmt:
+        if format_for(q).packing != self.fmt.packing:
             raise CheckpointError(f"{source} is stored as {q.source}, which packs as {format_for(q).name}, "
-                                  f"but its layer was planned as {self.fmt.name}")
+                                  f"but its layer was planned as {self.fmt.packing}")
         words, scales, offsets = pack(q, self.fmt)
         self.words[start:start + rows].copy_(words)
         self.scales[start:start + rows].copy_(scales)

@@ -74,26 +74,45 @@ def test_bf16_accumulates_in_fp32_and_rounds_once(kernel, rows: int, k: int) -> 
     torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4"])
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4", "int8-a8", "q8_0-a8", "q4-a8"])
 @pytest.mark.parametrize("rows", [1, 2, 4, 7])
 @pytest.mark.parametrize("k", [128, 192, 576])  # 192: q8_0's 6 groups, q4's 3 (a chunk of 2 cut short); 576: q4's 9
 def test_packed_formats_equal_their_dequantized_weight(kernel, fmt: str, rows: int, k: int) -> None:
-    """The kernel computes ``linear(round_activations(x), dequantized W)``:
-    with VNNI as integer dot products, elsewhere in fp32, on the same values."""
+    """``linear(x, dequantized W)``; for the ``-a8`` formats with ``x`` rounded
+    first (``round_activations``): with VNNI as integer dot products, elsewhere
+    in fp32 on the same values."""
     torch.manual_seed(rows * 1000 + k)
+    packing = FORMATS[fmt].packing
     w = torch.randn(24, k) * 0.1
-    q = quantize_int8(w) if fmt == "int8" else _blocks(w, 8 if fmt == "q8_0" else 4)
+    q = quantize_int8(w) if packing == "int8" else _blocks(w, 8 if packing == "q8_0" else 4)
     words, scales, offsets = pack(q, FORMATS[fmt])
     x, b = torch.randn(rows, k), torch.randn(24)
     x[0, 32:64] = 0  # a block of zeros: scale 0, every value 0
     weight = dequantize(words, scales, offsets, FORMATS[fmt])
-    want = F.linear(round_activations(x, k), weight, b)
-    torch.testing.assert_close(kernel(x, words, scales, offsets, b, fmt), want, atol=1e-4, rtol=1e-4)
+
+    def seen(x: torch.Tensor) -> torch.Tensor:  # what the layer multiplies
+        return round_activations(x, k) if FORMATS[fmt].round_activations else x.float()
+
+    torch.testing.assert_close(kernel(x, words, scales, offsets, b, fmt), F.linear(seen(x), weight, b),
+                               atol=1e-4, rtol=1e-4)
     x16 = x.to(torch.bfloat16)
     got16 = kernel(x16, words, scales, offsets, None, fmt)
     assert got16.dtype == torch.bfloat16
-    torch.testing.assert_close(got16.float(), F.linear(round_activations(x16, k), weight),
-                               atol=0.05, rtol=2 ** -7)
+    torch.testing.assert_close(got16.float(), F.linear(seen(x16), weight), atol=0.05, rtol=2 ** -7)
+
+
+def test_rounding_changes_the_result_by_the_rounding_alone(kernel) -> None:
+    """The rounded and the exact form of a layer differ (the flag reaches the
+    kernel), by no more than the activations' rounding explains."""
+    torch.manual_seed(5)
+    w = torch.randn(32, 256) * 0.1
+    words, scales, offsets = pack(_blocks(w, 4), FORMATS["q4"])
+    x = torch.randn(3, 256)
+    exact, rounded = (kernel(x, words, scales, offsets, None, f) for f in ("q4", "q4-a8"))
+    assert not torch.equal(exact, rounded)
+    weight = dequantize(words, scales, offsets, FORMATS["q4"])
+    bound = (round_activations(x, 256) - x).abs() @ weight.abs().T  # |sum of rounding errors x weights|
+    assert bool(((exact - rounded).abs() <= bound + 1e-4).all())
 
 
 def test_rows_of_any_shape_and_strides(kernel) -> None:

@@ -42,7 +42,10 @@ def _reference(q: QuantizedTensor) -> torch.Tensor:
     return w
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+PACKINGS = [name for name, f in FORMATS.items() if not f.round_activations]
+
+
+@pytest.mark.parametrize("fmt", PACKINGS)
 def test_packing_holds_exactly_the_values_and_scales(fmt: str) -> None:
     q = _random(fmt)
     assert format_for(q) is FORMATS[fmt]
@@ -53,7 +56,7 @@ def test_packing_holds_exactly_the_values_and_scales(fmt: str) -> None:
     assert packed == FORMATS[fmt].nbytes(N, K)
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", PACKINGS)
 @pytest.mark.parametrize("rows", [1, 3])
 def test_reduction_equals_the_product_with_the_dequantized_weight(fmt: str, rows: int) -> None:
     q = _random(fmt, seed=rows)
@@ -63,9 +66,11 @@ def test_reduction_equals_the_product_with_the_dequantized_weight(fmt: str, rows
     got = reduction(x, words, scales, offsets, FORMATS[fmt])
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3)
     bias = torch.randn(N)
-    rounded = round_activations(x, K) @ _reference(q).T + bias  # what a packed layer computes
+    rounded = round_activations(x, K) @ _reference(q).T + bias  # what an -a8 layer computes
     for as_reduction in (True, False):
         out = packed_linear(x, words, scales, offsets, bias, FORMATS[fmt], as_reduction=as_reduction)
+        torch.testing.assert_close(out, expected + bias, rtol=1e-4, atol=1e-3)
+        out = packed_linear(x, words, scales, offsets, bias, FORMATS[fmt].rounded(), as_reduction=as_reduction)
         torch.testing.assert_close(out, rounded, rtol=1e-4, atol=1e-3)
 
 
@@ -135,5 +140,14 @@ def test_merged_layer_fills_each_projections_rows() -> None:
     with torch.no_grad():
         layer.bias.zero_()
     x = torch.randn(2, K)
-    expected = round_activations(x, K) @ torch.cat([_reference(first), _reference(second)]).T
+    expected = x @ torch.cat([_reference(first), _reference(second)]).T
     torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-3)
+
+
+def test_a_rounded_layer_packs_the_same_blocks_and_rounds_its_input() -> None:
+    q = _random("q8_0", seed=4)
+    layer = QuantizedLinear(K, [N], False, FORMATS["q8_0-a8"])
+    layer.load(None, q, "t")  # a Q8_0 tensor packs into the rounded layer as into the plain one
+    assert FORMATS["q8_0-a8"].packing == "q8_0" and FORMATS["q8_0"].rounded() is FORMATS["q8_0-a8"]
+    x = torch.randn(3, K)
+    torch.testing.assert_close(layer(x), round_activations(x, K) @ _reference(q).T, rtol=1e-4, atol=1e-3)
