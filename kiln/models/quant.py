@@ -62,8 +62,8 @@ from torch import nn
 from kiln.checkpoint import CheckpointError, QuantizedTensor
 
 __all__ = [
-    "ACTIVATION_BLOCK", "FORMATS", "QUANTIZATION_MODES", "QUANTIZATION_PLAN_VERSION", "QuantFormat",
-    "QuantizedLinear", "dequantize", "pack", "quantize_int8", "round_activations",
+    "ACTIVATION_BLOCK", "FORMATS", "QUANTIZATION_MODES", "QUANTIZATION_PLAN_VERSION", "ROUNDED_SUFFIX",
+    "QuantFormat", "QuantizedLinear", "dequantize", "pack", "quantize_int8", "round_activations",
     "packed_layers", "packed_linear", "quantized_linear", "reduction",
 ]
 
@@ -72,7 +72,7 @@ QUANTIZATION_MODES = ("int8", "gguf", "int8-a8", "gguf-a8")
 ROUNDED_SUFFIX = "-a8"
 # Bumped when a mode's choice of packed layers or their layout changes: compiled
 # entries record it (through the cache key), as their graphs depend on both.
-QUANTIZATION_PLAN_VERSION = 2  # 2: the -a8 modes; the ops' formats may carry the suffix
+QUANTIZATION_PLAN_VERSION = 1
 ACTIVATION_BLOCK = 32  # activations share one int8 scale per this many elements along K
 
 
