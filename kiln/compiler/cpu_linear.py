@@ -54,7 +54,7 @@ MAX_K = 65536  # KILN_MAX_K
 _ROUND_X = 16  # KILN_ROUND_X: or'ed into a packed kind whose activations are rounded (the "-a8" formats)
 _KINDS = {"f32": 0, "bf16": 1, "int8": 2, "q8_0": 3, "q4": 4}  # enum in cpu_linear.c
 _KINDS |= {f"{name}-a8": code | _ROUND_X for name, code in _KINDS.items() if code >= 2}
-PACKED_KINDS = ("int8", "q8_0", "q4", "int8-a8", "q8_0-a8", "q4-a8")
+PACKED_KINDS = tuple(name for name, code in _KINDS.items() if code & ~_ROUND_X >= 2)  # int8, q8_0, q4 and -a8
 DENSE_KINDS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
