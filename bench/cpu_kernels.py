@@ -7,6 +7,7 @@ Run from the repository root::
     python -m bench.cpu_kernels --only quant-kernels
     python -m bench.cpu_kernels --only decode-attention
     python -m bench.cpu_kernels --only cpu-linear
+    python -m bench.cpu_kernels --only many-rows
     python -m bench.cpu_kernels --smoke            # a check of this script: few calls, one small case
 
 * ``op-overhead``: the cost per call of reaching kiln's attention op through the
@@ -45,6 +46,14 @@ Run from the repository root::
   kernel (``kiln.compiler.cpu_linear``), which each is checked against
   (``F.linear``, on the dequantized weight for the packed formats). Weight
   copies are cycled as in ``gemv``.
+* ``many-rows``: fp32 linear layers at 16, 64 and 512 rows (a decode step of
+  many requests, a prefill chunk) on the weight shapes of ``quant-kernels``
+  plus the attention output projection: ``F.linear`` (MKL's sgemm, what
+  Inductor's ``mm`` and ``addmm`` call) against oneDNN's matrix product with
+  the weight as it is (which oneDNN reorders into its blocked layout on
+  every call) and with the weight reordered once (``kiln::onednn_linear``,
+  what kiln's many-row pieces call: ``kiln.compiler.onednn``). Reported in ms and GFLOP/s
+  (2 x rows x out x in over time). Weight copies are cycled as in ``gemv``.
 * ``huge-pages``: the parameters of SmolLM2-135M (fp32, 540 MB) placed by
   ``kiln.models.memory.materialize`` in 4 KiB pages and in transparent huge
   pages, each in a fresh process: seconds to place and fill them (one copy, as
@@ -86,7 +95,7 @@ from bench.common.harness import time_per_call
 from bench.common.models import SMOLLM2_135M_SHAPE
 from bench.common.report import RESULTS_DIR, RunRecord, fmt, format_table, publish
 
-BENCHMARKS = ("op-overhead", "gemv", "quant-kernels", "cpu-linear", "huge-pages", "decode-attention")
+BENCHMARKS = ("op-overhead", "gemv", "quant-kernels", "cpu-linear", "many-rows", "huge-pages", "decode-attention")
 SMOLLM2 = SMOLLM2_135M_SHAPE  # the decode shapes measured are this model's
 HEAD_DIM = SMOLLM2["hidden_size"] // SMOLLM2["num_attention_heads"]
 # name -> [out_features, in_features] of SmolLM2-135M's linear layers
@@ -102,6 +111,9 @@ QUANT_WEIGHTS: dict[str, tuple[int, int]] = {
     "qkv": (SMOLLM2["hidden_size"] + 2 * SMOLLM2["num_key_value_heads"] * HEAD_DIM, SMOLLM2["hidden_size"]),
 }
 QUANT_TOKENS = (1, 4)
+MANY_ROWS_WEIGHTS: dict[str, tuple[int, int]] = {
+    **QUANT_WEIGHTS, "o_proj": (SMOLLM2["hidden_size"], SMOLLM2["hidden_size"])}
+MANY_ROWS_TOKENS = (16, 64, 512)
 ROTATION_BYTES = 256 * 2**20  # weight copies cycled through per case: more than the last-level cache
 
 
@@ -659,6 +671,78 @@ def render_cpu_linear(report: dict[str, Any]) -> str:
     ])
 
 
+# ------------------------------------------------------------------------ many rows
+
+
+def measure_many_rows_case(name: str, shape: tuple[int, int], tokens: int, repeats: int,
+                           batch_seconds: float) -> dict[str, Any]:
+    """MKL's ``F.linear`` against oneDNN, on the weight as it is and reordered
+    once, on one weight shape and row count; each cycles through the same
+    weight copies."""
+    from kiln.compiler import onednn
+
+    weight_bytes = math.prod(shape) * 4
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(shape, generator=gen) * 0.02
+               for _ in range(max(1, math.ceil(ROTATION_BYTES / weight_bytes)))]
+    x = torch.randn(tokens, shape[1], generator=gen)
+    want = F.linear(x.double(), weights[0].double())
+    forms: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "mkl": lambda w: F.linear(x, w),
+        "onednn_plain": lambda w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+        "onednn": lambda w: onednn.implementation(x, w, None),  # each copy reordered on its first call
+    }
+    flops = 2 * tokens * math.prod(shape)
+    out: dict[str, Any] = {"weight": name, "shape": list(shape), "tokens": tokens, "weight_copies": len(weights)}
+    with torch.inference_mode():
+        for form, fn in forms.items():
+            t = time_per_call(lambda fn=fn, nxt=_rotating(weights): fn(nxt()), repeats=repeats,
+                              min_batch_seconds=batch_seconds)
+            t["gflop_per_s"] = flops / (t["median_ms"] / 1e3) / 1e9
+            t["max_abs_error"] = float((fn(weights[0]).double() - want).abs().max())
+            out[form] = t
+    out["onednn_plain_speedup"] = out["mkl"]["median_ms"] / out["onednn_plain"]["median_ms"]
+    out["onednn_speedup"] = out["mkl"]["median_ms"] / out["onednn"]["median_ms"]
+    return out
+
+
+def many_rows_report(args: argparse.Namespace) -> dict[str, Any]:
+    record = RunRecord("many-rows", "cpu")
+    results = _linear_cases(args, "many-rows", MANY_ROWS_WEIGHTS, MANY_ROWS_TOKENS, measure_many_rows_case)
+    return {
+        **record.head(),
+        "settings": {
+            "smoke": args.smoke,
+            "dtype": "float32",
+            "threads": torch.get_num_threads(),
+            "rotation_bytes": ROTATION_BYTES,
+            "statistic": "median over batches of the per-call time; GFLOP/s = 2 x rows x out x in / median time",
+            "forms": {"mkl": "F.linear(x, W)", "onednn_plain": "mkldnn._linear_pointwise(x, W, ...)",
+                      "onednn": "kiln.compiler.onednn.implementation(x, W, None): W reordered on its first call"},
+            "grad_mode": "torch.inference_mode, as kiln's runner",
+        },
+        "results": results,
+    }
+
+
+def render_many_rows(report: dict[str, Any]) -> str:
+    rows = [[r["weight"], "x".join(map(str, r["shape"])), str(r["tokens"]),
+             fmt(r["mkl"]["median_ms"], 3), fmt(r["mkl"]["gflop_per_s"], 0),
+             fmt(r["onednn_plain"]["median_ms"], 3), fmt(r["onednn_plain"]["gflop_per_s"], 0),
+             fmt(r["onednn"]["median_ms"], 3), fmt(r["onednn"]["gflop_per_s"], 0),
+             fmt(r["onednn_plain_speedup"], 2, "x"), fmt(r["onednn_speedup"], 2, "x"),
+             f"{r['onednn']['max_abs_error']:.1e}"]
+            for r in report["results"]]
+    return "\n".join([
+        f"many-row fp32 linear: MKL against oneDNN, CPU, {report['settings']['threads']} threads; weights "
+        f"cycled through {report['settings']['rotation_bytes'] // 2**20} MiB of copies",
+        "",
+        format_table(["weight", "shape", "rows", "mkl ms", "mkl GFLOP/s", "onednn ms", "onednn GFLOP/s",
+                      "reordered ms", "reordered GFLOP/s", "onednn speedup", "reordered speedup",
+                      "max abs err"], rows),
+    ])
+
+
 # ---------------------------------------------------------------------------- main
 
 
@@ -703,6 +787,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "cpu-linear" in args.only:
         report = cpu_linear_report(args)
         publish(report, "cpu-linear", render_cpu_linear(report), args.out)
+    if "many-rows" in args.only:
+        report = many_rows_report(args)
+        publish(report, "many-rows", render_many_rows(report), args.out)
     if "huge-pages" in args.only:
         report = huge_pages_report(args)
         publish(report, "huge-pages", render_huge_pages(report), args.out)

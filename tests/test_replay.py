@@ -55,7 +55,7 @@ def test_every_cpu_artifact_is_exported_and_a_warm_start_replays_them(compiled_t
     warm = Runtime.load(path, optimization_level=2, cache_dir=cache)
     manifest = json.loads((_entry(warm) / "manifest.json").read_text())
     assert replay.covers(manifest) and set(manifest["replay"]) == set(replay.artifacts(manifest))
-    direct = 0
+    direct = onednn_calls = 0
     for record in manifest["replay"].values():
         assert record["libraries"] and set(record["libraries"]) <= set(manifest["kernels"])
         assert record["code"] in manifest["files"]  # checksummed like the rest of the entry
@@ -65,9 +65,13 @@ def test_every_cpu_artifact_is_exported_and_a_warm_start_replays_them(compiled_t
         assert "assert_size_stride(" not in code and "assert_alignment(" not in code
         # the C linear kernel's op is called without the dispatcher
         assert "torch.ops.kiln.cpu_linear.default(" not in code
+        assert "torch.ops.kiln.onednn_linear.default(" not in code
         direct += code.count("__kiln_cpu_linear__(")
+        onednn_calls += code.count("__kiln_onednn_linear__(")
     # the size-2 and size-4 pieces call it for their linears (fp32 at one token keeps Inductor's reduction)
     assert direct > 0 or manifest.get("linear_kernel") is None
+    # the range pieces' fp32 linears go through oneDNN (kiln.compiler.onednn)
+    assert onednn_calls > 0 or not torch.backends.mkldnn.is_available()
     assert warm.startup_report["artifact_loader"] == "replay"
     assert warm.startup_report["artifacts_loaded"] == len(manifest["replay"])
     assert _scored(warm, prompts) == fresh  # tokens and logprobs, to the bit

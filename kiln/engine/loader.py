@@ -455,7 +455,8 @@ def _compile_report(stats: "CompileStats | None") -> dict[str, Any]:
 
 
 def startup_report(config: ResolvedConfig, engine: Engine, compiled: "CompiledEntry | None", mode: CUDAGraphMode,
-                   capture: CaptureReport, phases: Phases, compile_mode: str) -> dict[str, Any]:
+                   capture: CaptureReport, phases: Phases, compile_mode: str,
+                   reordered_weight_bytes: int = 0) -> dict[str, Any]:
     kv_bytes = sum(t.numel() * t.element_size() for t in engine.runner.kv_caches)
     dispatcher = engine.runner.dispatcher
     return {
@@ -477,6 +478,8 @@ def startup_report(config: ResolvedConfig, engine: Engine, compiled: "CompiledEn
         "attention_kernel": _attention_kernel_name(engine.runner.attention_backend),
         # the small-batch linear library its few-token pieces and LM head call (kiln.compiler.cpu_linear)
         "linear_kernel": _linear_kernel_name(compiled),
+        # the many-row linears' weights, reordered for oneDNN and held beside them (kiln.compiler.onednn)
+        "reordered_weight_bytes": reordered_weight_bytes,
         "cudagraph_mode": mode.value,
         "cudagraph_capture_sizes": dispatcher.capture_sizes if dispatcher is not None else [],
         "cudagraphs_captured": capture.graphs,
@@ -606,15 +609,18 @@ def load_engine(path: "str | Path", **kwargs: Any) -> LoadedEngine:
     b = _build(path, kwargs)
     phases, options, source, config, model = b.phases, b.options, b.source, b.config, b.model
     compiled, background = _compiled_at_start(b, kwargs)
+    reordered = 0
     if compiled is not None:
         phases.seconds.update(compiled.stats.phases)
+        with phases("reorder_weights"):
+            reordered = compiled.model.reorder_weights(config.max_num_seqs)
     with phases("allocate_kv_cache"):
         kv_caches = allocate_kv_cache(config, size_kv_cache(config, model, compiled and compiled.model))
     engine = build_engine(config, model, compiled and compiled.model, kv_caches, background)
     with phases("cudagraph_capture"):
         mode, capture = capture_graphs(engine.runner, config) if background is None else (CUDAGraphMode.NONE,
                                                                                         CaptureReport())
-    report = startup_report(config, engine, compiled, mode, capture, phases, options.compile)
+    report = startup_report(config, engine, compiled, mode, capture, phases, options.compile, reordered)
     logger.info(
         "loaded %s (%s, %s on %s, -O%d, compile cache %s) in %.2fs: %d KV blocks of %d tokens",
         options.path, config.model.architecture, report["dtype"], config.device, config.compilation.level,

@@ -1,0 +1,171 @@
+"""Many-row fp32 linears through oneDNN (CPU).
+
+Above a few tokens a linear layer is a matrix product with enough rows to be
+bound by arithmetic, not by reading the weight. ``F.linear`` (and the ``mm``
+and ``addmm`` Inductor emits for it) runs MKL's sgemm; oneDNN's matrix product
+(``torch.ops.mkldnn._linear_pointwise``) ran 0.9-1.5x as fast on the 135M
+shape's layer weights at 16, 64 and 512 rows, and 1.6-2.0x on its 49152-row
+LM head, with the weight passed as it is, which oneDNN then reorders into its
+blocked layout on every call; with the weight reordered once, 1.1-1.6x on the
+layers and 1.7-2.9x on the head (2 threads of an AMD EPYC, ``python -m
+bench.cpu_kernels --only many-rows``,
+bench/results/many-rows-cpu-20261203-150825.json). Whole decode steps of 64
+requests took 130-143 ms with reordered weights against 197-211 ms without,
+and 54-58 against 75-80 ms at 16 requests (one scratch run, each figure a
+mean of 8 steps).
+
+So on CPU, where torch has oneDNN, the fp32 linears of the pieces that run
+more than a few tokens (the range piece and exact sizes above
+``CPU_GEMV_MAX_TOKENS``) become calls of ``kiln::onednn_linear``, and so does
+a dense fp32 LM head of more rows than that. Each weight is reordered on its
+first call (``packed``) and the copy kept while the weight lives: the linear
+weights are then held twice, as they are for the few-token pieces
+(``kiln.compiler.cpu_linear``, faster there) and reordered
+(``packed_bytes``, in the startup report). The reordered weight gives the
+same result, bit for bit.
+
+Inductor lowers ``mkldnn._linear_pointwise`` only for weights frozen into the
+graph as constants; kiln's weights are graph inputs (a compiled entry holds no
+weights), so the call is wrapped in an op of kiln's own, which Inductor keeps
+as an opaque extern call and exported code calls directly
+(``kiln.compiler.replay``). The residual add that ``addmm`` used to absorb is
+fused by Inductor into the following normalisation instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+__all__ = ["available", "implementation", "onednn_linear", "packed", "packed_bytes", "prepack", "rewrite_linears",
+           "takes"]
+
+
+def available(device: torch.device) -> bool:
+    """Whether fp32 linears on ``device`` go through oneDNN: a CPU, and a torch
+    built with it."""
+    return device.type == "cpu" and torch.backends.mkldnn.is_available()
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the op computes ``linear(x, weight)``: both fp32 on CPU."""
+    return (x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.device.type == "cpu" and weight.device.type == "cpu")
+
+
+# The rows oneDNN is told to expect when it picks a weight's blocked layout;
+# the layout it picked for 1, 16, 64, 256 and 1024 gave the same bits at any
+# number of rows.
+PACK_ROWS = 64
+
+# (data pointer, shape, strides) of a weight -> its reordered copy. An entry
+# leaves when the weight's storage is freed (a finalizer on the storage,
+# whose Python object torch keeps while the storage lives), so a new tensor
+# at the same address never finds a stale copy. Weights are read-only once
+# served: a copy is not refreshed if one is written in place.
+_PACKED: dict[tuple[int, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+
+
+def packed(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` reordered into oneDNN's blocked layout, made on the first
+    call and kept while the weight's storage lives."""
+    key = _key(weight)
+    copy_ = _PACKED.get(key)
+    if copy_ is None:
+        copy_ = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
+        _PACKED[key] = copy_
+        weakref.finalize(weight.untyped_storage(), _PACKED.pop, key, None)
+    return copy_
+
+
+def _key(weight: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    return weight.data_ptr(), tuple(weight.shape), tuple(weight.stride())
+
+
+def prepack(weights: Iterable[torch.Tensor]) -> int:
+    """Reorder now those of ``weights`` the op takes (fp32, on CPU, 2-D), not
+    on their first call; returns the bytes of their copies (a weight listed
+    twice, as a tied LM head is, counted once)."""
+    copies = {}
+    for w in weights:
+        if w.dim() == 2 and takes(w, w):
+            copies[_key(w)] = packed(w)
+    return sum(c.numel() * c.element_size() for c in copies.values())
+
+
+def packed_bytes() -> int:
+    """Bytes held by the reordered copies of the weights alive in this process."""
+    return sum(w.numel() * w.element_size() for w in _PACKED.values())
+
+
+def implementation(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` by oneDNN, on ``weight``'s reordered copy
+    (exported code calls it directly, ``kiln.compiler.replay``). ``weight``
+    must outlive many calls, as parameters do: a transient weight would be
+    reordered on every call."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed(weight), bias, "none", [], "")
+
+
+def _fake(x, weight, bias):  # noqa: ANN001, ANN202
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+# A torch.library op, not @custom_op: the dispatcher's trip costs about 4 us a
+# call against 32 (bench/results/op-overhead-cpu-latest.json).
+_LIB = torch.library.Library("kiln", "FRAGMENT")
+_LIB.define("onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIB.impl("onednn_linear", implementation, "CPU")
+torch.library.register_fake("kiln::onednn_linear", _fake, lib=_LIB)
+onednn_linear: Any = torch.ops.kiln.onednn_linear.default
+
+
+def _is_dense_linear(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (torch._C._nn.linear, F.linear)
+
+
+def _example(node: Any) -> torch.Tensor | None:
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _qualifies(node: fx.Node) -> bool:
+    if not _is_dense_linear(node):
+        return False
+    x, weight = node.args[:2]
+    if not isinstance(weight, fx.Node) or weight.op != "placeholder":  # a parameter, kept reordered
+        return False
+    x, weight = _example(x), _example(weight)
+    return x is not None and weight is not None and takes(x, weight)
+
+
+def rewrite_linears(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
+    """A copy of ``gm`` whose fp32 CPU linears call ``kiln::onednn_linear``,
+    and how many were rewritten (``gm`` itself when none is). A linear
+    qualifies when its weight is an input of the graph (a parameter, which
+    lives as long as the model) and the trace recorded its input and weight
+    as fp32 CPU tensors; packed linears lowered to ``dequantize`` +
+    ``linear`` keep ``linear``."""
+    if not any(_qualifies(node) for node in gm.graph.nodes):
+        return gm, 0
+    graph = copy.deepcopy(gm.graph)  # node by node; metadata is shared, not copied
+    rewritten = 0
+    for node in list(graph.nodes):
+        if not _qualifies(node):
+            continue
+        x, weight = node.args[:2]
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        with graph.inserting_before(node):
+            call = graph.call_function(onednn_linear, (x, weight, bias))
+        call.meta = node.meta
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+        rewritten += 1
+    new = fx.GraphModule(gm, graph)
+    new.recompile()
+    return new, rewritten

@@ -1,0 +1,111 @@
+"""Many-row fp32 linears through oneDNN (kiln/compiler/onednn.py): the op
+against ``F.linear``, its fake, and the rewrite that puts it into the pieces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from kiln.compiler import onednn
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_op_computes_linear(rows: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g)
+    w = torch.randn(160, 96, generator=g)
+    b = torch.randn(160, generator=g) if bias else None
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    got = onednn.onednn_linear(x, w, b)
+    assert got.dtype == torch.float32 and got.shape == (rows, 160)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    # three dimensions in, and a non-contiguous input: as F.linear takes them
+    x3 = torch.randn(2, rows, 96, generator=g)
+    torch.testing.assert_close(onednn.implementation(x3, w, b), F.linear(x3, w, b), rtol=1e-5, atol=1e-4)
+    xt = torch.randn(96, rows, generator=g).t()
+    torch.testing.assert_close(onednn.implementation(xt, w, b), F.linear(xt, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_the_fake_has_the_output_shape() -> None:
+    with FakeTensorMode():
+        out = onednn.onednn_linear(torch.empty(7, 3, 96), torch.empty(160, 96), None)
+    assert out.shape == (7, 3, 160) and out.dtype == torch.float32
+
+
+def _graph(dtype: torch.dtype, *, example: bool = True, bias: bool = False) -> fx.GraphModule:
+    """``(x, w[, b]) -> linear(x, w[, b])`` with example values, as Dynamo records them."""
+    graph = fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    args = [x, w]
+    if bias:
+        args.append(graph.placeholder("b"))
+    if example:
+        x.meta["example_value"] = torch.empty(8, 64, dtype=dtype)
+        w.meta["example_value"] = torch.empty(32, 64, dtype=dtype)
+    h = graph.call_function(F.linear, tuple(args))
+    h.meta["example_value"] = torch.empty(8, 32, dtype=dtype)
+    graph.output((h,))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_rewrite_routes_fp32_linears_and_keeps_their_result(bias: bool) -> None:
+    gm = _graph(torch.float32, bias=bias)
+    new, rewritten = onednn.rewrite_linears(gm)
+    assert rewritten == 1
+    assert [n.target for n in new.graph.nodes if n.op == "call_function"] == [onednn.onednn_linear]
+    assert any(n.target is F.linear for n in gm.graph.nodes)  # the original is left as it was
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(8, 64, generator=g), torch.randn(32, 64, generator=g)] + (
+        [torch.randn(32, generator=g)] if bias else [])
+    torch.testing.assert_close(new(*args)[0], gm(*args)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_rewrite_leaves_other_dtypes(dtype: torch.dtype) -> None:
+    gm = _graph(dtype)
+    new, rewritten = onednn.rewrite_linears(gm)
+    assert (new, rewritten) == (gm, 0)
+
+
+def test_the_rewrite_leaves_linears_without_a_recorded_input() -> None:
+    gm = _graph(torch.float32, example=False)
+    assert onednn.rewrite_linears(gm) == (gm, 0)
+
+
+def test_takes_fp32_on_cpu_only() -> None:
+    f32, b16 = torch.empty(2, 4), torch.empty(2, 4, dtype=torch.bfloat16)
+    assert onednn.takes(f32, f32)
+    assert not onednn.takes(f32, b16) and not onednn.takes(b16, f32)
+    assert onednn.available(torch.device("cpu"))
+    assert not onednn.available(torch.device("meta"))
+
+
+def test_a_weight_is_reordered_once_and_forgotten_with_its_storage() -> None:
+    w = torch.randn(160, 96)
+    x = torch.randn(9, 96)
+    first = onednn.packed(w)
+    assert onednn.packed(w) is first  # kept: not reordered again
+    # the reordered copy gives what oneDNN gives on the weight as it is, bit for bit
+    plain = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    assert torch.equal(onednn.implementation(x, w, None), plain)
+    before = onednn.packed_bytes()
+    view = w.view(-1)  # the storage outlives the first tensor: the copy stays
+    del w
+    assert onednn.packed_bytes() == before
+    del view
+    assert onednn.packed_bytes() == before - first.numel() * first.element_size()
+
+
+def test_prepack_counts_a_tied_weight_once_and_skips_what_the_op_does_not_take() -> None:
+    w = torch.randn(64, 32)
+    bf16 = torch.randn(64, 32, dtype=torch.bfloat16)
+    vector = torch.randn(32)
+    assert onednn.prepack([w, w, bf16, vector]) == 64 * 32 * 4
+    assert onednn.packed(w) is onednn.packed(w)
