@@ -124,15 +124,16 @@ class CompiledModel:
 
     def reorder_weights(self, max_rows: int) -> int:
         """Reorder for oneDNN now, rather than on the first long prompt (0.27 s
-        for the 135M shape's fp32 weights), the weights its many-row pieces
-        hand to it (``kiln.compiler.onednn``): every dense linear's, and the
-        LM head's when a step can sample more than ``CPU_GEMV_MAX_TOKENS``
+        for the 135M shape in fp32), the weights its many-row pieces
+        hand to it (``kiln.compiler.onednn``): every dense fp32 linear's, and
+        the LM head's when a step can sample more than ``CPU_GEMV_MAX_TOKENS``
         rows (``max_rows``). Returns the bytes of the copies (0 off CPU, or
-        for other dtypes)."""
+        for dtypes it does not take)."""
         device = next(self.model.parameters()).device
         if not onednn.available(device):
             return 0
-        weights = [m.weight for m in self.model.modules() if isinstance(m, nn.Linear)]
+        weights = [m.weight for m in self.model.modules()
+                   if isinstance(m, nn.Linear) and m.weight.dtype in onednn.REWRITE_DTYPES]
         tensors, fmt = self.model.logits_inputs()
         if fmt is None and max_rows > CPU_GEMV_MAX_TOKENS:
             weights.append(tensors[0])
