@@ -664,3 +664,24 @@ def test_structural_errors_name_the_tensor(tmp_path: Path) -> None:
     _error(unknown, "'blk.0.attn_qkv.weight'")
     beyond = tiny_file(tmp_path, "b.gguf", tensors=[("blk.3.attn_norm.weight", zeros, None)])
     _error(beyond, "'blk.3.attn_norm.weight'", "llama.block_count")
+
+
+def test_kilns_reader_reads_what_ggufs_own_reader_reads(tmp_path: Path) -> None:
+    """The reader's header parsing through a plain array view (``_get``) gives
+    gguf's fields and tensor table: values, types, offsets and data."""
+    from kiln.checkpoint.gguf import _open_reader
+
+    path = tiny_file(tmp_path, **{"tokenizer.ggml.tokens": [f"t{i}" for i in range(32)],
+                                 "tokenizer.ggml.scores": [float(i) / 3 for i in range(32)],
+                                 "general.name": "tiny"})
+    ours, theirs = _open_reader(path), gguf.GGUFReader(str(path))
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert (mine.offset, mine.types, mine.data) == (field.offset, field.types, field.data), key
+        assert mine.contents() == field.contents(), key
+    assert ours.data_offset == theirs.data_offset
+    assert [(t.name, t.tensor_type, list(t.shape), int(t.data_offset), int(t.n_bytes)) for t in ours.tensors] == [
+        (t.name, t.tensor_type, list(t.shape), int(t.data_offset), int(t.n_bytes)) for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert np.array_equal(np.asarray(a.data), np.asarray(b.data))
