@@ -12,6 +12,7 @@ import torch
 from kiln import CompilationConfig, CUDAGraphMode, Runtime, SamplingParams
 from kiln.compiler import TokenCountError
 from kiln.compiler import capture as capture_module
+from kiln.compiler import onednn
 from tests.conftest import CPU_LM_HEADS, build_hf_model, hf_greedy, load_eager, random_prompts, save_checkpoint
 from tests.test_models import VARIANTS
 
@@ -78,6 +79,14 @@ def test_startup_report_counts(compiled_llama) -> None:
     for phase in ("load_weights",) + (("trace", "split", "compile") if fresh else ()):
         assert r["phases"][phase] >= 0
     assert r["cudagraph_mode"] == "NONE"  # CPU
+    # every linear's weight and the tied LM head's, reordered for oneDNN in a thread (kiln.compiler.onednn)
+    if onednn.available(torch.device("cpu")):
+        linears = [m.weight for m in rt.compiled.model.model.modules() if isinstance(m, torch.nn.Linear)]
+        head = rt.compiled.model.model.logits_inputs()[0][0]
+        unique = {w.data_ptr(): w.numel() * 4 for w in [*linears, head]}
+        assert r["reordered_weight_bytes"] == sum(unique.values())
+        rt.compiled.model.reordering.join(timeout=60)
+        assert not rt.compiled.model.reordering.is_alive()
 
 
 def test_decode_steps_cause_no_new_trace(compiled_llama) -> None:

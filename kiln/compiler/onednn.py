@@ -25,12 +25,13 @@ pieces stopped giving the eager model's greedy tokens
 (tests/test_models.py::test_bf16_compiled_pieces_give_the_eager_tokens: the
 second token of a 5-token prompt), which the linear's own bits do not
 explain (they equal ``F.linear``'s); the surrounding fusion changed, and the
-cause is not pinned down. Each weight is reordered on its first call
-(``packed``) and the copy kept while the weight lives: the linear weights are
-then held twice, as they are for the few-token pieces
-(``kiln.compiler.cpu_linear``, faster there) and reordered
-(``packed_bytes``, in the startup report). The reordered weight gives the
-same result, bit for bit.
+cause is not pinned down. The weights are reordered when the compiled
+pieces are loaded, in a thread of their own (``prepack``), and each copy kept
+while its weight lives: the linear weights are then held twice, as they are
+for the few-token pieces (``kiln.compiler.cpu_linear``, faster there) and
+reordered (``reordered_weight_bytes`` in the startup report). The reordered
+weight gives the same result, bit for bit, so the op takes a weight as it is
+until its copy is there.
 
 Inductor lowers ``mkldnn._linear_pointwise`` only for weights frozen into the
 graph as constants; kiln's weights are graph inputs (a compiled entry holds no
@@ -43,6 +44,7 @@ fused by Inductor into the following normalisation instead.
 from __future__ import annotations
 
 import copy
+import threading
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -110,15 +112,32 @@ def _key(weight: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     return weight.data_ptr(), tuple(weight.shape), tuple(weight.stride())
 
 
-def prepack(weights: Iterable[torch.Tensor]) -> int:
-    """Reorder now those of ``weights`` the op takes (``takes``, 2-D), not
-    on their first call; returns the bytes of their copies (a weight listed
-    twice, as a tied LM head is, counted once)."""
-    copies = {}
-    for w in weights:
-        if w.dim() == 2 and takes(w, w):
-            copies[_key(w)] = packed(w)
-    return sum(c.numel() * c.element_size() for c in copies.values())
+def _takes_weight(w: torch.Tensor) -> bool:
+    return w.dim() == 2 and takes(w, w)
+
+
+def prepack(weights: Iterable[torch.Tensor], *, background: bool = False) -> tuple[int, threading.Thread | None]:
+    """Reorder those of ``weights`` the op takes (``takes``, 2-D); returns the
+    bytes their copies take (a weight listed twice, as a tied LM head is,
+    counted once) and, with ``background``, the thread reordering them: the
+    op uses each weight as it is until its copy is there, with the same
+    result, so a start need not wait the 0.3 s the 135M shape's fp32
+    weights take."""
+    unique = {_key(w): w for w in weights if _takes_weight(w)}
+    todo = list(unique.values())
+    nbytes = sum(w.numel() * w.element_size() for w in todo)
+
+    def run() -> None:
+        for w in todo:
+            packed(w)
+
+    if not background:
+        run()
+        return nbytes, None
+    # not a daemon: an interpreter shutting down must not stop it inside a torch op
+    thread = threading.Thread(target=run, name="kiln-reorder-weights")
+    thread.start()
+    return nbytes, thread
 
 
 def packed_bytes() -> int:
@@ -128,10 +147,11 @@ def packed_bytes() -> int:
 
 def implementation(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` by oneDNN, on ``weight``'s reordered copy
-    (exported code calls it directly, ``kiln.compiler.replay``). ``weight``
-    must outlive many calls, as parameters do: a transient weight would be
-    reordered on every call."""
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed(weight), bias, "none", [], "")
+    where ``prepack`` made one, else on ``weight`` as it is (exported code
+    calls it directly, ``kiln.compiler.replay``)."""
+    copy_ = _PACKED.get(_key(weight))
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight if copy_ is None else copy_, bias, "none", [],
+                                              "")
 
 
 def _fake(x, weight, bias):  # noqa: ANN001, ANN202

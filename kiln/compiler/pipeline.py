@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -110,6 +111,7 @@ class CompiledModel:
             if name not in piece_signatures and isinstance(sub, fx.GraphModule):
                 module.__dict__[name] = sub.forward
         self.arguments = ArgumentBinder(inputs, model)
+        self.reordering: threading.Thread | None = None  # reorder_weights' thread
 
     def wrap_pieces(self, wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> None:
         """Replace each compute piece's runnable by ``wrap(name, runnable)``: one
@@ -123,12 +125,11 @@ class CompiledModel:
         return out[0] if isinstance(out, (tuple, list)) else out
 
     def reorder_weights(self, max_rows: int) -> int:
-        """Reorder for oneDNN now, rather than on the first long prompt (0.27 s
-        for the 135M shape in fp32), the weights its many-row pieces
-        hand to it (``kiln.compiler.onednn``): every dense fp32 linear's, and
-        the LM head's when a step can sample more than ``CPU_GEMV_MAX_TOKENS``
-        rows (``max_rows``). Returns the bytes of the copies (0 off CPU, or
-        for dtypes it does not take)."""
+        """Start reordering for oneDNN, in a thread (``self.reordering``), the
+        weights its many-row pieces hand to it (``kiln.compiler.onednn``):
+        every dense fp32 linear's, and the LM head's when a step can sample
+        more than ``CPU_GEMV_MAX_TOKENS`` rows (``max_rows``). Returns the
+        bytes the copies take (0 off CPU, or for dtypes it does not take)."""
         device = next(self.model.parameters()).device
         if not onednn.available(device):
             return 0
@@ -137,7 +138,8 @@ class CompiledModel:
         tensors, fmt = self.model.logits_inputs()
         if fmt is None and max_rows > CPU_GEMV_MAX_TOKENS:
             weights.append(tensors[0])
-        return onednn.prepack(weights)
+        nbytes, self.reordering = onednn.prepack(weights, background=True)
+        return nbytes
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         tensors, fmt = self.model.logits_inputs()

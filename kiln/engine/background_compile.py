@@ -300,6 +300,7 @@ class BackgroundCompile:
             self._fail(f"{self._entry_name()} is missing or damaged", "")
             return
         runner.use_compiled(entry.model)
+        entry.model.reorder_weights(runner.max_num_seqs)  # oneDNN's copies of the weights, in a thread
         if self._after_swap is not None:
             self._after_swap(runner)
         with self._lock:

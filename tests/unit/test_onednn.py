@@ -117,22 +117,35 @@ def test_takes_one_dtype_on_cpu() -> None:
 def test_a_weight_is_reordered_once_and_forgotten_with_its_storage() -> None:
     w = torch.randn(160, 96)
     x = torch.randn(9, 96)
+    # the weight as it is until a copy is made: oneDNN's result either way, bit for bit
+    plain = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    before = onednn.packed_bytes()
+    assert torch.equal(onednn.implementation(x, w, None), plain)
+    assert onednn.packed_bytes() == before  # the op itself reorders nothing
     first = onednn.packed(w)
     assert onednn.packed(w) is first  # kept: not reordered again
-    # the reordered copy gives what oneDNN gives on the weight as it is, bit for bit
-    plain = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
     assert torch.equal(onednn.implementation(x, w, None), plain)
-    before = onednn.packed_bytes()
+    size = first.numel() * first.element_size()
+    assert onednn.packed_bytes() == before + size
     view = w.view(-1)  # the storage outlives the first tensor: the copy stays
     del w
-    assert onednn.packed_bytes() == before
+    assert onednn.packed_bytes() == before + size
     del view
-    assert onednn.packed_bytes() == before - first.numel() * first.element_size()
+    assert onednn.packed_bytes() == before
 
 
-def test_prepack_counts_a_tied_weight_once_and_skips_what_the_op_does_not_take() -> None:
+@pytest.mark.parametrize("background", [False, True])
+def test_prepack_counts_a_tied_weight_once_and_skips_what_the_op_does_not_take(background: bool) -> None:
     w = torch.randn(64, 32)
     half = torch.randn(64, 32, dtype=torch.float16)
     vector = torch.randn(32)
-    assert onednn.prepack([w, w, half, vector]) == 64 * 32 * 4
-    assert onednn.packed(w) is onednn.packed(w)
+    before = onednn.packed_bytes()
+    nbytes, thread = onednn.prepack([w, w, half, vector], background=background)
+    assert nbytes == 64 * 32 * 4
+    assert (thread is not None) == background
+    if thread is not None:
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    assert onednn.packed_bytes() == before + nbytes  # made by prepack and kept
+    made = onednn.packed(w)
+    assert onednn.packed_bytes() == before + nbytes and onednn.packed(w) is made  # not made again
