@@ -44,6 +44,7 @@ fused by Inductor into the following normalisation instead.
 from __future__ import annotations
 
 import copy
+import os
 import threading
 import weakref
 from collections.abc import Iterable
@@ -119,15 +120,17 @@ def _takes_weight(w: torch.Tensor) -> bool:
 def prepack(weights: Iterable[torch.Tensor], *, background: bool = False) -> tuple[int, threading.Thread | None]:
     """Reorder those of ``weights`` the op takes (``takes``, 2-D); returns the
     bytes their copies take (a weight listed twice, as a tied LM head is,
-    counted once) and, with ``background``, the thread reordering them: the
-    op uses each weight as it is until its copy is there, with the same
-    result, so a start need not wait the 0.3 s the 135M shape's fp32
-    weights take."""
+    counted once) and, with ``background``, the thread reordering them, at
+    the lowest CPU priority: the op uses each weight as it is until its copy
+    is there, with the same result, so a start need not wait the 0.3 s the
+    135M shape's fp32 weights take."""
     unique = {_key(w): w for w in weights if _takes_weight(w)}
     todo = list(unique.values())
     nbytes = sum(w.numel() * w.element_size() for w in todo)
 
     def run() -> None:
+        if background:
+            _lower_priority()
         for w in todo:
             packed(w)
 
@@ -138,6 +141,16 @@ def prepack(weights: Iterable[torch.Tensor], *, background: bool = False) -> tup
     thread = threading.Thread(target=run, name="kiln-reorder-weights")
     thread.start()
     return nbytes, thread
+
+
+def _lower_priority() -> None:
+    """The calling thread (and the OpenMP threads it starts) at the lowest CPU
+    priority, where Linux lets a thread have its own: the engine's steps win
+    the cores while the weights are reordered."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the same work at the same priority
+        pass
 
 
 def packed_bytes() -> int:
