@@ -54,8 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-__all__ = ["DTYPES", "REWRITE_DTYPES", "available", "implementation", "onednn_linear", "packed", "packed_bytes", "prepack", "rewrite_linears",
-           "takes"]
+__all__ = ["DTYPES", "REWRITE_DTYPES", "available", "implementation", "onednn_linear", "packed", "packed_bytes",
+           "prepack", "rewrite_linears", "takes"]
 
 
 def available(device: torch.device) -> bool:
