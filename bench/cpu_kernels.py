@@ -681,10 +681,8 @@ def measure_many_rows_case(name: str, shape: tuple[int, int], tokens: int, repea
     weight copies."""
     from kiln.compiler import onednn
 
-    weight_bytes = math.prod(shape) * 4
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(shape, generator=gen) * 0.02
-               for _ in range(max(1, math.ceil(ROTATION_BYTES / weight_bytes)))]
+    weights = [w for w, in _copies([torch.randn(shape, generator=gen) * 0.02], math.prod(shape) * 4)]
     x = torch.randn(tokens, shape[1], generator=gen)
     want = F.linear(x.double(), weights[0].double())
     onednn.prepack(weights)  # as a compiled model's load does

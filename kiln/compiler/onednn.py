@@ -113,10 +113,6 @@ def _key(weight: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     return weight.data_ptr(), tuple(weight.shape), tuple(weight.stride())
 
 
-def _takes_weight(w: torch.Tensor) -> bool:
-    return w.dim() == 2 and takes(w, w)
-
-
 def prepack(weights: Iterable[torch.Tensor], *, background: bool = False) -> tuple[int, threading.Thread | None]:
     """Reorder those of ``weights`` the op takes (``takes``, 2-D); returns the
     bytes their copies take (a weight listed twice, as a tied LM head is,
@@ -124,7 +120,7 @@ def prepack(weights: Iterable[torch.Tensor], *, background: bool = False) -> tup
     the lowest CPU priority: the op uses each weight as it is until its copy
     is there, with the same result, so a start need not wait the 0.3 s the
     135M shape's fp32 weights take."""
-    unique = {_key(w): w for w in weights if _takes_weight(w)}
+    unique = {_key(w): w for w in weights if w.dim() == 2 and takes(w, w)}
     todo = list(unique.values())
     nbytes = sum(w.numel() * w.element_size() for w in todo)
 
