@@ -69,9 +69,10 @@ def test_startup_report_counts(compiled_llama) -> None:
     assert r["dynamo_traces"] == (1 if fresh else 0)
     assert r["pieces"] == layers + 1  # compute pieces between the layers' attention calls
     assert r["unique_pieces"] == 3  # first, middle (shared by every layer), last
-    # range + three exact sizes per unique piece (and the CPU LM head at each exact size
-    # where the C linear kernel, which is the head, cannot be built)
-    artifacts = r["unique_pieces"] * (1 + 3) + CPU_LM_HEADS
+    # Per unique piece: the range, and exact sizes 1, 2 and 4; where the C linear kernel
+    # is built, one few-row runnable serves 2 to 8 tokens instead of sizes 2 and 4, and it
+    # is the LM head; without it, a compiled CPU LM head at each exact size.
+    artifacts = r["unique_pieces"] * (1 + (3 if CPU_LM_HEADS else 2)) + CPU_LM_HEADS
     assert (r["inductor_compiles"], r["artifacts_loaded"]) == ((artifacts, 0) if fresh else (0, artifacts))
     assert sorted(rt.compiled.model.logits_heads) == ([1, 2, 4] if CPU_LM_HEADS else [])
     assert (rt.compiled.model.linear_kernel is None) == bool(CPU_LM_HEADS)
@@ -104,25 +105,40 @@ def test_dispatch_prefers_exact_size_then_range(compiled_llama) -> None:
     rt, model = compiled_llama
     backends = list(rt.compiled.model.pieces.values())
     vocab = model.config.vocab_size
-    rid = rt.add_request(random_prompts(1, [3], vocab, seed=4)[0], GREEDY)
-    rt.step()  # prefill of 3 tokens: no exact runnable for 3
+    rid = rt.add_request(random_prompts(1, [9], vocab, seed=4)[0], GREEDY)
+    rt.step()  # prefill of 9 tokens: no exact or few-row runnable for 9
     assert {b.last_bucket for b in backends} == {"range"}
     rt.step()  # one decode token: the exact size-1 runnable
     assert {b.last_bucket for b in backends} == {1}
     rt.abort(rid)
     two = [rt.add_request(p, GREEDY) for p in random_prompts(2, [5, 7], vocab, seed=5)]
     rt.step()
-    rt.step()  # two decode tokens: exact size 2
-    assert {b.last_bucket for b in backends} == {2}
+    rt.step()  # two decode tokens: exact size 2, or the few-row runnable with the C linear kernel
+    assert {b.last_bucket for b in backends} == ({2} if CPU_LM_HEADS else {"few"})
     for r in two:
         rt.abort(r)
     backend = backends[0]
-    assert backend.select(4)[1] == 4
-    assert backend.select(5)[1] == "range"
+    if CPU_LM_HEADS:
+        assert backend.select(4)[1] == 4
+        assert backend.select(5)[1] == "range"
+    else:
+        assert backend.few_rows == (2, 8) and not set(backend.exact) & {2, 4}
+        assert [backend.select(n)[1] for n in (1, 2, 3, 4, 8, 9)] == [1, "few", "few", "few", "few", "range"]
     with pytest.raises(TokenCountError, match="no compiled runnable covers 100000 tokens"):
         backend.select(100000)
     with pytest.raises(TokenCountError):
         backend.select(0)
+
+
+def test_steps_of_two_to_eight_tokens_give_transformers_tokens(compiled_llama) -> None:
+    """Prefills of 2-8 tokens and decode steps of 6 rows: the few-row runnable
+    where the C linear kernel is built (exact sizes or the range elsewhere)."""
+    rt, model = compiled_llama
+    prompts = random_prompts(6, [2, 3, 5, 6, 7, 8], model.config.vocab_size, seed=6)
+    outs = rt.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    last = {b.last_bucket for b in rt.compiled.model.pieces.values()}  # the last step decoded 6 rows
+    assert last == ({"range"} if CPU_LM_HEADS else {"few"})
 
 
 def test_user_compile_sizes_reach_the_runtime(llama_checkpoint) -> None:
@@ -131,7 +147,10 @@ def test_user_compile_sizes_reach_the_runtime(llama_checkpoint) -> None:
     # 3 unique pieces x (range, 2); a compiled LM head at 2 rows only where the C
     # linear kernel does not take it (a CPU without AVX2)
     assert rt.startup_report["inductor_compiles"] == 3 * 2 + (1 if CPU_LM_HEADS else 0)
-    assert all(sorted(b.exact) == [2] for b in rt.compiled.model.pieces.values())
+    if CPU_LM_HEADS:
+        assert all(sorted(b.exact) == [2] for b in rt.compiled.model.pieces.values())
+    else:  # size 2 is served by the few-row runnable, compiled for 2 to 8 tokens
+        assert all(not b.exact and b.few_rows == (2, 8) for b in rt.compiled.model.pieces.values())
 
 
 def test_compilations_do_not_grow_with_depth(tmp_path) -> None:

@@ -130,16 +130,32 @@ def test_bf16_checkpoint_keeps_bf16_and_close_to_fp32(tmp_path: Path) -> None:
     assert rt16.generate(prompt, params)[0].token_ids[0] == rt32.generate(prompt, params)[0].token_ids[0]
 
 
+def _same_until_a_tie(got, want, margin: float) -> bool:
+    """``got``'s tokens equal ``want``'s, or leave them only at a step where
+    ``want``'s two best log-probabilities are within ``margin`` of each other
+    (in bf16 a summation order decides such a tie) and ``got`` took the other."""
+    for step, (g, w) in enumerate(zip(got.token_ids, want.token_ids)):
+        if g == w:
+            continue
+        best = dict(want.logprobs[step].top[:2])
+        return {g, w} == set(best) and abs(best[g] - best[w]) <= margin
+    return len(got.token_ids) == len(want.token_ids)
+
+
 def test_bf16_compiled_pieces_give_the_eager_tokens(tmp_path: Path) -> None:
     """bf16 at -O2: the few-token pieces and the LM head call the C linear kernel
     (fp32 sums, one rounding, as the eager bf16 matrix products), at one, two
-    and three requests (the size-1 and size-2 pieces, the range)."""
+    and three requests and for prompts of 5 to 14 tokens (the size-1 piece, the
+    few-row one, the range). Its sums run in another order than oneDNN's, so a
+    step where eager's two best tokens tie within bf16's rounding may go
+    either way."""
     path, model = _roundtrip_dtype(tmp_path, torch.bfloat16)
     prompts = random_prompts(3, [9, 5, 14], model.config.vocab_size, seed=6)
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    eager = [o.token_ids for o in load_eager(path).generate(prompts, params)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    eager = load_eager(path).generate(prompts, params)
     rt = Runtime.load(path, optimization_level=2, compile_sizes=[1, 2], cache_dir=tmp_path / "cache")
     assert rt.startup_report["dtype"] == "bfloat16"
-    assert [rt.generate([p], params)[0].token_ids for p in prompts] == eager
-    assert [o.token_ids for o in rt.generate(prompts[:2], params)] == eager[:2]
-    assert [o.token_ids for o in rt.generate(prompts, params)] == eager
+    tie = 0.05  # log-probability: 2**-7 of a logit of about 6
+    for got in ([rt.generate([p], params)[0] for p in prompts], rt.generate(prompts[:2], params),
+                rt.generate(prompts, params)):
+        assert all(_same_until_a_tie(g, w, tie) for g, w in zip(got, eager, strict=False))

@@ -37,7 +37,8 @@ def compiled_tiny(tiny, tmp_path_factory):
     rt = Runtime.load(path, optimization_level=2, cache_dir=cache)
     prompts = random_prompts(4, [3, 11, 6, 17], 64, seed=3)
     assert rt.compiled is not None
-    runnables = [fn for p in rt.compiled.model.pieces.values() for fn in [p.range, *p.exact.values()]]
+    runnables = [fn for p in rt.compiled.model.pieces.values() for fn in [p.range, p.few, *p.exact.values()]
+                 if fn is not None]
     compiled_here = (rt.startup_report["compile_cache"], rt.startup_report["artifact_loader"], runnables)
     return path, cache, prompts, _scored(rt, prompts), compiled_here
 
@@ -68,7 +69,7 @@ def test_every_cpu_artifact_is_exported_and_a_warm_start_replays_them(compiled_t
         assert "torch.ops.kiln.onednn_linear.default(" not in code
         direct += code.count("__kiln_cpu_linear__(")
         onednn_calls += code.count("__kiln_onednn_linear__(")
-    # the size-2 and size-4 pieces call it for their linears (fp32 at one token keeps Inductor's reduction)
+    # the few-row pieces (2 to 8 tokens) call it for their linears (fp32 at one token keeps Inductor's reduction)
     assert direct > 0 or manifest.get("linear_kernel") is None
     # the range pieces' fp32 linears go through oneDNN (kiln.compiler.onednn)
     assert onednn_calls > 0 or not torch.backends.mkldnn.is_available()

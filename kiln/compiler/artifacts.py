@@ -50,6 +50,10 @@ def _save_piece(entry: Path, piece: BucketedPiece) -> dict[str, Any]:
     if piece.range is not None:
         info["range"] = _artifact_path(piece.signature, "range")
         piece.range.save(path=str(entry / info["range"]), format="binary")
+    if piece.few is not None:
+        low, high = piece.few_rows
+        info["few"] = {"rows": [low, high], "artifact": _artifact_path(piece.signature, f"{low}-{high}")}
+        piece.few.save(path=str(entry / info["few"]["artifact"]), format="binary")
     for n, fn in sorted(piece.exact.items()):
         info["exact"][str(n)] = _artifact_path(piece.signature, n)
         fn.save(path=str(entry / info["exact"][str(n)]), format="binary")
@@ -130,9 +134,9 @@ def load_compiled(
     if loaded is None:
         loaded, how = _load_through_inductor(entry, manifest, max_num_tokens, inductor_dir, kernels_built), "inductor"
     pieces, heads = loaded
-    count = sum(len(p.exact) + (p.range is not None) for p in pieces.values()) + len(heads)
+    count = sum(len(p.exact) + (p.range is not None) + (p.few is not None) for p in pieces.values()) + len(heads)
     kernel = _attention_kernel(inductor_dir, manifest.get("attention_kernel"))
-    linear = _linear_kernel(inductor_dir, manifest.get("linear_kernel"))
+    linear = _linear_kernel(inductor_dir, manifest.get("linear_kernel"), model)
     inputs = [GraphInput(kind, name) for kind, name in manifest["inputs"]]
     compiled = CompiledModel(module, inputs, model, pieces, dict(manifest["piece_signatures"]), heads, kernel, linear)
     return compiled, count, how
@@ -158,7 +162,8 @@ def replay_in_place(entry: Path, manifest: dict[str, Any], compiled: CompiledMod
         logger.warning("%s: its exported code did not load (%s); the freshly compiled artifacts run", entry, e)
         return False
     for sig, piece in pieces.items():  # in place: the split graph calls these BucketedPiece objects
-        compiled.pieces[sig].range, compiled.pieces[sig].exact = piece.range, piece.exact
+        target = compiled.pieces[sig]
+        target.range, target.exact, target.few, target.few_rows = piece.range, piece.exact, piece.few, piece.few_rows
     compiled.logits_heads.update(heads)
     return True
 
@@ -175,6 +180,9 @@ def _load_pieces(manifest: dict[str, Any], max_num_tokens: int, load: Callable[[
         piece = BucketedPiece(sig, (i, dim), max_num_tokens, info["returns_tuple"])
         if "range" in info:
             piece.range = load(info["range"])
+        if "few" in info:
+            low, high = info["few"]["rows"]
+            piece.few, piece.few_rows = load(info["few"]["artifact"]), (int(low), int(high))
         for n, rel in info["exact"].items():
             piece.exact[int(n)] = load(rel)
         pieces[sig] = piece
@@ -254,7 +262,7 @@ def _attention_kernel(inductor_dir: Path, name: str | None) -> PagedDecodeKernel
     return PagedDecodeKernel(inductor_dir / name)
 
 
-def _linear_kernel(inductor_dir: Path, name: str | None) -> cpu_linear.CpuLinearKernel | None:
+def _linear_kernel(inductor_dir: Path, name: str | None, model: nn.Module) -> cpu_linear.CpuLinearKernel | None:
     """The entry's small-batch linear kernel, loaded as the op's implementation;
     built again when it is missing (a repair). Unlike the attention kernel it
     is not optional: the entry's few-token pieces call it, so an entry that
@@ -262,7 +270,8 @@ def _linear_kernel(inductor_dir: Path, name: str | None) -> cpu_linear.CpuLinear
     if name is None:
         return None
     if not (inductor_dir / name).is_file():
-        rebuilt = cpu_linear.SOURCE.build(inductor_dir)  # raises KernelBuildError, naming the compiler's message
+        # raises KernelBuildError, naming the compiler's message
+        rebuilt = cpu_linear.build(inductor_dir, cpu_linear.model_kinds(model))
         if rebuilt != name:
             raise KernelBuildError(f"the entry's linear kernel {name} is missing, and today's source builds "
                                    f"{rebuilt}, a different one")

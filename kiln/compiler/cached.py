@@ -117,19 +117,20 @@ def load_entry(
 
 class _NativeBuilds:
     """kiln's C kernels for a CPU entry, built in a thread while the model is
-    traced (under a second each of the C compiler, off the critical path): the
-    decode-attention kernel (``kiln.attention.cpu_decode``) and the
-    small-batch linear kernel (``kiln.compiler.cpu_linear``). A failed build
+    traced: the decode-attention kernel (``kiln.attention.cpu_decode``, 2 s
+    of gcc here) and the small-batch linear kernel (``kiln.compiler.cpu_linear``,
+    2-3 s with the kinds ``model``'s linears use, 7 s with all). On two cores
+    they share the CPU with the trace, so their seconds count. A failed build
     is logged once and leaves the entry without that kernel: the torch path
     serves decode attention, and the few-token pieces keep Inductor's
     reductions, slower."""
 
-    def __init__(self, inductor_dir: Path) -> None:
+    def __init__(self, inductor_dir: Path, model: nn.Module) -> None:
         self.inductor_dir = inductor_dir
         self.names: dict[str, str | None] = {"attention_kernel": None, "linear_kernel": None}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-native-build")
         self._attention = self._pool.submit(build_paged_decode, inductor_dir)
-        self._linear = self._pool.submit(cpu_linear.SOURCE.build, inductor_dir)
+        self._linear = self._pool.submit(cpu_linear.build, inductor_dir, cpu_linear.model_kinds(model))
 
     def attention(self) -> PagedDecodeKernel | None:
         name = self._wait(self._attention, "attention_kernel", "decode attention will run on the torch path")
@@ -168,7 +169,7 @@ def _build_entry(
     single = {"compile_threads": 1} if cpu else {}
     with temporary_cache_dir(str(inductor_dir)), inductor_settings(), inductor_config.patch(single):
         warmup = ToolchainWarmup(device.type)  # ISA probe and C++ header, beside the trace
-        native = _NativeBuilds(inductor_dir) if cpu else None  # beside the trace too
+        native = _NativeBuilds(inductor_dir, model) if cpu else None  # beside the trace too
         try:
             traced = trace_model(model, config, device)
             # Asked before kernels are recorded: the ISA probe's test builds are not kernels.

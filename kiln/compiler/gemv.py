@@ -35,7 +35,8 @@ from torch.fx.proxy import GraphAppendingTracer
 from kiln.compiler.cpu_linear import LinearPolicy, cpu_linear, dense_kind
 from kiln.models.quant import FORMATS, QuantFormat, packed_linear, quantized_linear
 
-__all__ = ["CPU_GEMV_MAX_TOKENS", "decompose_linears", "logits_head_graph", "lower_quantized", "packed_head_graph"]
+__all__ = ["CPU_GEMV_MAX_TOKENS", "decompose_linears", "kernel_takes_all", "logits_head_graph", "lower_quantized",
+           "packed_head_graph"]
 
 # Token counts up to which exact-size CPU pieces use the reduction form: at 1, 2
 # and 4 tokens the reduction beat mm on the QKV, gate/up and LM-head weights of a
@@ -72,6 +73,14 @@ def decompose_linears(gm: fx.GraphModule, tokens: int, policy: LinearPolicy | No
     new = fx.GraphModule(gm, graph)
     new.recompile()
     return new, rewritten
+
+
+def kernel_takes_all(gm: fx.GraphModule, tokens: int, policy: LinearPolicy) -> bool:
+    """Whether ``decompose_linears(gm, tokens, policy)`` makes every linear of
+    ``gm`` (dense or packed) a call of the C kernel, leaving no reduction
+    form, whose loops are written for one exact size."""
+    linears = [n for n in gm.graph.nodes if _is_dense_linear(n) or _is_packed_linear(n)]
+    return all(_native_args(n, tokens, policy) is not None for n in linears)
 
 
 def _is_dense_linear(node: fx.Node) -> bool:

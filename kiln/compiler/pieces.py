@@ -44,8 +44,10 @@ def inductor_compile(
 
 class BucketedPiece:
     """The compiled runnables of one compute piece (shared by every identical
-    piece): one per exact compile size, one for the range ``[1, max_num_tokens]``;
-    each call picks one by the step's token count."""
+    piece): one per exact compile size; on CPU, one for the few-row span
+    ``few_rows`` (token counts that kiln's C linear kernel serves,
+    ``kiln.compiler.gemv``); one for the range ``[1, max_num_tokens]``. Each
+    call picks one by the step's token count, in that order."""
 
     def __init__(self, signature: str, token_index: tuple[int, int | None], max_num_tokens: int, returns_tuple: bool) -> None:
         self.signature = signature
@@ -53,6 +55,8 @@ class BucketedPiece:
         self.max_num_tokens = max_num_tokens
         self.returns_tuple = returns_tuple
         self.exact: dict[int, Callable[..., Any]] = {}
+        self.few: Callable[..., Any] | None = None
+        self.few_rows: tuple[int, int] = (0, -1)  # the token counts ``few`` serves, both ends included
         self.range: Callable[..., Any] | None = None
         self.last_bucket: int | str | None = None  # which runnable the last call used
 
@@ -64,6 +68,8 @@ class BucketedPiece:
         fn = self.exact.get(n)
         if fn is not None:
             return fn, n
+        if self.few is not None and self.few_rows[0] <= n <= self.few_rows[1]:
+            return self.few, "few"
         if self.range is not None and 1 <= n <= self.max_num_tokens:
             return self.range, "range"
         raise TokenCountError(

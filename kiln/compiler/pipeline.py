@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from kiln.attention.cpu_decode import PagedDecodeKernel
-from kiln.compiler import onednn
+from kiln.compiler import cpu_linear, onednn
 from kiln.compiler.capture import CapturedGraph, GraphInput, capture
 from kiln.compiler.cpu_linear import DENSE_KINDS, CpuLinearKernel, LinearPolicy, dense_kind
 from kiln.compiler.gemv import (
-    CPU_GEMV_MAX_TOKENS, decompose_linears, logits_head_graph, lower_quantized, packed_head_graph,
+    CPU_GEMV_MAX_TOKENS, decompose_linears, kernel_takes_all, logits_head_graph, lower_quantized, packed_head_graph,
 )
 from kiln.compiler.parallel import CompileJob, compile_workers, run_jobs
 from kiln.compiler.pieces import BucketedPiece, inductor_compile, token_arg
@@ -175,11 +175,11 @@ class CompiledModel:
             return None
         if fmt is not None:
             words, scales, *offsets = tensors
-            if hidden.dtype in DENSE_KINDS:
+            if hidden.dtype in DENSE_KINDS and fmt.name in kernel.kinds:
                 return kernel(hidden, words, scales, offsets[0] if offsets else None, None, fmt.name)
             return None
         kind = dense_kind(hidden.dtype, tensors[0].dtype)
-        if kind is None or hidden.shape[0] > CPU_GEMV_MAX_TOKENS:
+        if kind not in kernel.kinds or hidden.shape[0] > CPU_GEMV_MAX_TOKENS:
             return None
         return kernel(hidden, tensors[0], None, None, None, kind)
 
@@ -223,9 +223,18 @@ def _piece_jobs(
     split: SplitGraph, unique: dict[str, tuple[Piece, BucketedPiece]], example_args: Callable[[int], list[Any]],
     sizes: list[int], max_num_tokens: int, device: torch.device, policy: LinearPolicy | None,
 ) -> list[tuple[CompileJob, Install]]:
-    """Each unique piece for the range, then for each exact size (with example
-    inputs recorded from an eager run of that size); ``policy``: the C linear
-    kernel's, whose few-token CPU pieces call it where it says."""
+    """Each unique piece for the range, then for the few-row span (below), then
+    for each other exact size (with example inputs recorded from an eager run
+    of that size); ``policy``: the C linear kernel's, whose few-token CPU
+    pieces call it where it says.
+
+    Where the kernel takes every linear of every piece from 2 to
+    ``cpu_linear.MAX_ROWS`` rows (one call each), the exact sizes in that span
+    are compiled once, for the whole span: one dynamic compilation per piece
+    instead of one per size, and the counts between them (3, 5-8) call the
+    kernel too instead of oneDNN. For the 135M shape a piece's dynamic compile
+    took 1.2x one exact size's (scratch timing: 2.7, 4.3, 1.4 s against 2.2,
+    3.6, 1.2 s), so -O2's sizes 2 and 4 cost 0.6x what they did."""
     index_of = {sig: i for i, sig in enumerate(unique)}
     jobs: list[tuple[CompileJob, Install]] = []
     for sig, (piece, runnables) in unique.items():
@@ -233,6 +242,14 @@ def _piece_jobs(
         label = f"piece {index_of[sig]} [range 1-{max_num_tokens}]"
         jobs.append((CompileJob(label, _many_rows(lower_quantized(piece.graph_module), device), fakes, dynamic=True),
                      functools.partial(setattr, runnables, "range")))
+    span = _few_rows(unique, sizes, device, policy)
+    if span is not None:
+        sizes = [n for n in sizes if not span[0] <= n <= span[1]]
+        for sig, (piece, runnables) in unique.items():
+            fakes = [n.meta["example_value"] for n in piece.graph_module.graph.nodes if n.op == "placeholder"]
+            gm, _ = decompose_linears(piece.graph_module, span[0], policy)
+            jobs.append((CompileJob(f"piece {index_of[sig]} [{span[0]}-{span[1]}]", gm, fakes, dynamic=True),
+                         functools.partial(_install_few, runnables, span)))
     for n in sizes:
         recorded = _record_piece_inputs(split, example_args(n), {p.name for p, _ in unique.values()})
         for sig, (piece, runnables) in unique.items():
@@ -244,6 +261,24 @@ def _piece_jobs(
             jobs.append((CompileJob(f"piece {index_of[sig]} [{n}]", gm, recorded[piece.name], dynamic=False),
                          functools.partial(runnables.exact.__setitem__, n)))
     return jobs
+
+
+def _few_rows(unique: dict[str, tuple[Piece, BucketedPiece]], sizes: list[int], device: torch.device,
+              policy: LinearPolicy | None) -> tuple[int, int] | None:
+    """The span of token counts one dynamic compilation serves (``_piece_jobs``):
+    ``(2, cpu_linear.MAX_ROWS)`` when an exact size falls in it and the C
+    kernel takes every linear there, else None."""
+    low, high = 2, cpu_linear.MAX_ROWS
+    if device.type != "cpu" or policy is None or not any(low <= n <= high for n in sizes):
+        return None
+    graphs = [piece.graph_module for piece, _ in unique.values()]
+    if all(kernel_takes_all(gm, n, policy) for gm in graphs for n in (low, high)):
+        return low, high
+    return None
+
+
+def _install_few(runnables: BucketedPiece, span: tuple[int, int], artifact: Any) -> None:
+    runnables.few, runnables.few_rows = artifact, span
 
 
 def _many_rows(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:

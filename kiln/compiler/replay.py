@@ -94,6 +94,7 @@ class _ExternKernels:
 def artifacts(manifest: dict[str, Any]) -> list[str]:
     """The paths of an entry's artifacts, from its manifest."""
     paths = [p["range"] for p in manifest["pieces"].values() if "range" in p]
+    paths += [p["few"]["artifact"] for p in manifest["pieces"].values() if "few" in p]
     paths += [rel for p in manifest["pieces"].values() for rel in p["exact"].values()]
     return paths + list(manifest.get("logits_heads", {}).values())
 

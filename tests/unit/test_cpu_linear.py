@@ -184,3 +184,63 @@ def test_the_rewrite_calls_the_kernel_where_it_pays(isa: str, dtype, tokens: int
     assert not any(n.target in (F.linear, quantized_linear) for n in gm.graph.nodes)
     without, _ = decompose_linears(_graph(dtype, tokens, packed), tokens)
     assert not any(n.target is cpu_linear.cpu_linear for n in without.graph.nodes)
+
+
+def test_a_policy_without_a_kind_leaves_its_linears_to_inductor() -> None:
+    policy = cpu_linear.LinearPolicy("avx512", frozenset({"f32"}))
+    assert policy.takes("f32", 2) and not policy.takes("bf16", 2) and not policy.takes("int8", 1)
+    gm, rewritten = decompose_linears(_graph(torch.float32, 2, True), 2, policy)
+    assert [n.args[-1] for n in gm.graph.nodes if n.target is cpu_linear.cpu_linear] == ["f32"]
+    assert rewritten == 2  # the packed linear as its unpacking reduction
+
+
+def test_kernel_takes_all_says_whether_any_linear_stays_a_reduction() -> None:
+    from kiln.compiler.gemv import kernel_takes_all
+
+    graph = _graph(torch.float32, 2, True)
+    assert kernel_takes_all(graph, 2, cpu_linear.LinearPolicy("avx2"))
+    assert not kernel_takes_all(graph, 1, cpu_linear.LinearPolicy("avx2"))  # fp32 at one token: a reduction
+    assert not kernel_takes_all(graph, 2, cpu_linear.LinearPolicy("avx2", frozenset({"f32"})))
+
+
+def _model(dtype: torch.dtype, packed: str | None, head_dtype: torch.dtype) -> torch.nn.Module:
+    from kiln.models.quant import QuantizedLinear
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = (QuantizedLinear(64, [16], False, FORMATS[packed]) if packed
+                         else torch.nn.Linear(64, 16, dtype=dtype))
+            self.embed = torch.nn.Embedding(100, 64, dtype=head_dtype)
+
+        def logits_inputs(self):  # noqa: ANN202  (a tied head: the embedding's weight)
+            return [self.embed.weight], None
+
+    return Tiny()
+
+
+@pytest.mark.parametrize("dtype, packed, head_dtype, kinds", [
+    (torch.float32, None, torch.float32, {"f32"}),
+    (torch.bfloat16, None, torch.bfloat16, {"bf16"}),
+    (torch.float32, "q4-a8", torch.float32, {"q4-a8", "f32"}),
+    (torch.float32, "q8_0", torch.bfloat16, {"q8_0", "bf16"}),
+    (torch.float16, None, torch.float16, set()),  # fp16: the kernel takes nothing
+])
+def test_model_kinds_are_its_linears_and_its_head(dtype, packed, head_dtype, kinds: set[str]) -> None:
+    assert cpu_linear.model_kinds(_model(dtype, packed, head_dtype)) == kinds
+
+
+def test_a_library_built_for_some_kinds_takes_them_and_refuses_the_rest(tmp_path) -> None:
+    fp32 = cpu_linear.CpuLinearKernel(tmp_path / cpu_linear.build(tmp_path, {"f32"}))
+    assert fp32.kinds == {"f32"} and fp32.policy.kinds == fp32.kinds
+    x, w = torch.randn(3, 64), torch.randn(24, 64)
+    torch.testing.assert_close(fp32(x, w, None, None, None, "f32"), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match=r"cpu-linear-.*refused a bf16 linear of \(3, 64\)"):
+        fp32(x.bfloat16(), w.bfloat16(), None, None, None, "bf16")
+    q4 = cpu_linear.CpuLinearKernel(tmp_path / cpu_linear.build(tmp_path, {"q4-a8"}))
+    assert q4.kinds == {"q4", "q4-a8"}  # the rounded kind shares its packing's code
+    every = cpu_linear.build(tmp_path)
+    assert len({every, str(fp32.path.relative_to(tmp_path)), str(q4.path.relative_to(tmp_path))}) == 3
+    assert cpu_linear.CpuLinearKernel(tmp_path / every).kinds == set(cpu_linear._KINDS)
+    with pytest.raises(ValueError, match=r"unknown linear kernel kinds \['f16'\]"):
+        cpu_linear.build(tmp_path, {"f16"})
