@@ -11,14 +11,17 @@ bundles, so a warm start loads it with ``ctypes`` and runs no compiler.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
+import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
-__all__ = ["FLAGS", "SUBDIR", "KernelBuildError", "NativeSource"]
+__all__ = ["FLAGS", "SUBDIR", "KernelBuildError", "NativeSource", "import_extension", "python_headers"]
 
 # a call to an undeclared function is an error, not an undefined symbol found at load time
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-Werror=implicit-function-declaration")
@@ -42,11 +45,15 @@ class NativeSource:
         digest = hashlib.sha256(self.path.read_bytes() + flags).hexdigest()[:16]
         return f"{SUBDIR}/{self.prefix}-{digest}.so"
 
-    def build(self, inductor_dir: Path, extra_flags: tuple[str, ...] = ()) -> str:
+    def build(self, inductor_dir: Path, extra_flags: tuple[str, ...] = (),
+              include_dirs: tuple[str, ...] = ()) -> str:
         """Build the library into ``inductor_dir`` unless it is there; returns
         its name relative to it. Written to a temporary file and renamed, so a
         concurrent reader never sees half a library. ``extra_flags`` follow
-        ``FLAGS`` (``-mno-avx512f``: the code a CPU without AVX-512 runs)."""
+        ``FLAGS`` (``-mno-avx512f``: the code a CPU without AVX-512 runs);
+        ``include_dirs`` (``-I``) are where headers are found, not part of the
+        name: a bundle's library keeps its name on a machine whose headers
+        lie elsewhere."""
         name = self.library_name(extra_flags)
         target = inductor_dir / name
         if target.is_file():
@@ -56,8 +63,9 @@ class NativeSource:
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{self.prefix}-", suffix=".so")
         os.close(fd)
         try:
-            done = subprocess.run([cc, *FLAGS, *extra_flags, "-x", "c", str(self.path), "-x", "none", "-o", tmp, "-lm"],
-                                  capture_output=True, text=True)
+            includes = [f"-I{d}" for d in include_dirs]
+            done = subprocess.run([cc, *FLAGS, *extra_flags, *includes, "-x", "c", str(self.path), "-x", "none",
+                                   "-o", tmp, "-lm"], capture_output=True, text=True)
             if done.returncode != 0:
                 raise KernelBuildError(f"{cc} failed to build {self.path.name} (exit {done.returncode}): "
                                        f"{done.stderr.strip()[-2000:]}")
@@ -65,6 +73,38 @@ class NativeSource:
         finally:
             Path(tmp).unlink(missing_ok=True)
         return name
+
+
+def python_headers() -> str | None:
+    """The directory holding this Python's ``Python.h``, or None where the
+    headers are not installed."""
+    include = sysconfig.get_paths().get("include")
+    return include if include and (Path(include) / "Python.h").is_file() else None
+
+
+def import_extension(path: Path, name: str) -> ModuleType:
+    """Import the library at ``path`` as the Python extension module ``name``
+    (its ``PyInit_<name>``), once per process, with the address of torch's
+    tensor-data helper in the environment, where Inductor's CPU kernels and
+    kiln's look for it."""
+    path = path.resolve()
+    module = _EXTENSIONS.get(path)
+    if module is None:
+        import torch
+
+        os.environ["_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"] = str(
+            torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr
+        )
+        spec = importlib.util.spec_from_file_location(f"kiln_native_{path.stem}.{name}", path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"{path}: not a loadable extension library")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _EXTENSIONS[path] = module
+    return module
+
+
+_EXTENSIONS: dict[Path, ModuleType] = {}
 
 
 def _compiler(what: str) -> str:

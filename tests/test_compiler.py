@@ -141,6 +141,20 @@ def test_steps_of_two_to_eight_tokens_give_transformers_tokens(compiled_llama) -
     assert last == ({"range"} if CPU_LM_HEADS else {"few"})
 
 
+def test_the_lm_head_is_the_c_kernel_up_to_eight_rows(compiled_llama) -> None:
+    rt, model = compiled_llama
+    compiled = rt.compiled.model
+    kernel, weight = compiled.linear_kernel, compiled.model.logits_inputs()[0][0]
+    for rows in (1, 5, 8, 9):
+        hidden = torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(rows))
+        logits = compiled.compute_logits(hidden)
+        if kernel is not None and rows <= 8:
+            assert torch.equal(logits, kernel(hidden, weight, None, None, None, "f32"))
+        elif onednn.available(hidden.device):
+            assert torch.equal(logits, onednn.implementation(hidden, weight, None))
+        torch.testing.assert_close(logits, hidden @ weight.T, atol=1e-4, rtol=1e-4)
+
+
 def test_user_compile_sizes_reach_the_runtime(llama_checkpoint) -> None:
     rt = Runtime.load(llama_checkpoint[0], optimization_level=1, compile_sizes=[2])
     assert rt.startup_report["compilation"]["compile_sizes"] == [2]

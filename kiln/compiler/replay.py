@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import ast
 import builtins
-import importlib.util
 import logging
-import os
 import pickle
 import tempfile
 from pathlib import Path
@@ -36,6 +34,7 @@ from typing import Any
 import torch
 
 from kiln.compiler import cpu_linear, onednn
+from kiln.native import import_extension
 
 __all__ = ["NotReplayable", "ReplayedArtifact", "artifacts", "covers", "export", "load"]
 
@@ -306,9 +305,6 @@ class ReplayedArtifact:
         return f"ReplayedArtifact({self.name})"
 
 
-_LIBRARIES: dict[Path, Any] = {}  # a kernel library is imported once per process
-
-
 def load(entry: Path, record: dict[str, Any], inductor_dir: Path) -> ReplayedArtifact:
     """Run the exported code of one artifact; its kernel libraries come from
     ``inductor_dir``. Imports nothing of Inductor."""
@@ -331,16 +327,4 @@ def _kernel(path: Path) -> Any:
     """The ``kernel`` function of one of Inductor's CPU kernel libraries, imported
     as Inductor imports it (the library finds torch's tensor-pointer helper
     through an environment variable)."""
-    path = path.resolve()
-    module = _LIBRARIES.get(path)
-    if module is None:
-        os.environ["_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"] = str(
-            torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr
-        )
-        spec = importlib.util.spec_from_file_location(f"kiln_replay_{path.stem}.kernel", path)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"{path}: not a loadable kernel library")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        _LIBRARIES[path] = module
-    return module.kernel
+    return import_extension(path, "kernel").kernel

@@ -13,6 +13,7 @@ from kiln.checkpoint import QuantizedTensor
 from kiln.compiler import cpu_linear
 from kiln.compiler.gemv import decompose_linears
 from kiln.models.quant import FORMATS, dequantize, pack, quantize_int8, quantized_linear, round_activations
+from kiln.native import python_headers
 from tests.conftest import KERNEL_BUILDS, cpu_flags
 
 
@@ -244,3 +245,22 @@ def test_a_library_built_for_some_kinds_takes_them_and_refuses_the_rest(tmp_path
     assert cpu_linear.CpuLinearKernel(tmp_path / every).kinds == set(cpu_linear._KINDS)
     with pytest.raises(ValueError, match=r"unknown linear kernel kinds \['f16'\]"):
         cpu_linear.build(tmp_path, {"f16"})
+
+
+@pytest.mark.skipif(python_headers() is None, reason="Python's headers are not installed: the library is ctypes-only")
+def test_the_extension_call_gives_the_ctypes_call_bits(tmp_path) -> None:
+    kernel = cpu_linear.CpuLinearKernel(tmp_path / cpu_linear.build(tmp_path))
+    assert kernel._linear is not None  # built with Python's headers: the extension module's call
+    ctypes_only = cpu_linear.CpuLinearKernel(kernel.path)
+    ctypes_only._linear = None
+    torch.manual_seed(0)
+    w = torch.randn(40, 64)
+    q = _blocks(w, 4)
+    words, scales, offsets = pack(q, FORMATS["q4"])
+    bias = torch.randn(40)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(8, 80, dtype=dtype)[:, 3:67]  # rows with a stride
+        kind = "f32" if dtype == torch.float32 else "bf16"
+        for args in ((x[:3], w.to(dtype), None, None, bias, kind), (x, words, scales, offsets, None, "q4"),
+                     (x[:1], words, scales, offsets, bias, "q4-a8")):
+            assert torch.equal(kernel(*args), ctypes_only(*args))

@@ -86,3 +86,12 @@ def test_argmax_rows_is_argmax_with_its_ties_and_nans() -> None:
     many = torch.randint(0, 3, (64, 4096)).float()  # ties in every row
     assert torch.equal(argmax_rows(many), many.argmax(dim=-1))
     assert torch.equal(argmax_rows(many.to(torch.bfloat16)), many.argmax(dim=-1))
+
+
+def test_greedy_rows_of_bf16_logits_take_the_fp32_argmax() -> None:
+    """All-greedy steps without logprobs skip the fp32 copy: the same tokens,
+    ties (the first index) included."""
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(1)).bfloat16()
+    logits[2, 10] = logits[2, 900] = logits[2].max() + 1  # a tie: the first one wins
+    out = Sampler(torch.device("cpu"))(logits, [SamplingParams(temperature=0)] * 4, [0] * 4)
+    assert out.tokens == logits.float().argmax(dim=-1).tolist() and out.tokens[2] == 10 and out.logprobs is None
