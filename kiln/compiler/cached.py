@@ -43,7 +43,10 @@ from kiln.cache.store import (
 from kiln.compiler import cpu_linear
 from kiln.compiler.artifacts import inductor_settings, load_compiled, replay_in_place, save_compiled
 from kiln.compiler.pipeline import CompiledModel, CompileStats, compile_traced, trace_model
-from kiln.compiler.toolchain import ToolchainWarmup, checksum_kernels, compiler_identity, kernel_files, vec_isa_record
+from kiln.compiler.toolchain import (
+    ToolchainWarmup, checksum_kernels, compiler_identity, kernel_files, recorded_vec_isa, trusted_prediction,
+    vec_isa_record,
+)
 from kiln.config import CompilationConfig
 
 __all__ = ["CompiledEntry", "FactorMismatchError", "load_entry", "load_or_compile"]
@@ -151,6 +154,18 @@ class _NativeBuilds:
         self._pool.shutdown()
 
 
+def _vec_isa(warmup: ToolchainWarmup, linear_kernel: cpu_linear.CpuLinearKernel | None) -> dict[str, Any]:
+    """The ISA record the entry is built for: the warm-up's prediction where
+    the C linear kernel's build vouches for it (no probe builds: 9 CPU-seconds
+    saved here), else Inductor's probe."""
+    kernel = (linear_kernel.isa, linear_kernel.vnni) if linear_kernel is not None else (None, False)
+    if warmup.predicted is not None and trusted_prediction(warmup.predicted, *kernel):
+        return warmup.predicted
+    logger.info("probing the C++ compiler's vector ISA (predicted %s, the C linear kernel built for %s)",
+                (warmup.predicted or {}).get("name"), kernel[0])
+    return vec_isa_record()
+
+
 def _build_entry(
     entry: Path, key: str, model: nn.Module, config: CompilationConfig, *, max_num_tokens: int,
     device: torch.device, factors: dict[str, Any], inductor_dir: Path, header: dict[str, Any],
@@ -168,17 +183,19 @@ def _build_entry(
     # build threads add nothing, and would not survive the forks of parallel jobs).
     single = {"compile_threads": 1} if cpu else {}
     with temporary_cache_dir(str(inductor_dir)), inductor_settings(), inductor_config.patch(single):
-        warmup = ToolchainWarmup(device.type)  # ISA probe and C++ header, beside the trace
+        warmup = ToolchainWarmup(device.type)  # ISA predicted; C++ header built beside the trace
         native = _NativeBuilds(inductor_dir, model) if cpu else None  # beside the trace too
         try:
             traced = trace_model(model, config, device)
-            # Asked before kernels are recorded: the ISA probe's test builds are not kernels.
-            toolchain = {"vec_isa": vec_isa_record() if cpu else None, "cxx": compiler_identity() if cpu else None}
-            with kernel_files(inductor_dir) as kernels:
+            attention_kernel = native.attention() if native else None
+            linear_kernel = native.linear() if native else None
+            # Asked before kernels are recorded: an ISA probe's test builds are not kernels.
+            toolchain = {"vec_isa": _vec_isa(warmup, linear_kernel) if cpu else None,
+                         "cxx": compiler_identity() if cpu else None}
+            with kernel_files(inductor_dir) as kernels, recorded_vec_isa(toolchain["vec_isa"]):
                 compiled, stats = compile_traced(
                     traced, model, config, max_num_tokens=max_num_tokens, device=device, eager_impls=eager_impls,
-                    attention_kernel=native.attention() if native else None,
-                    linear_kernel=native.linear() if native else None,
+                    attention_kernel=attention_kernel, linear_kernel=linear_kernel,
                 )
         finally:
             warmup.join()
@@ -188,13 +205,14 @@ def _build_entry(
         saved_stats = {"pieces": stats.pieces, "unique_pieces": stats.unique_pieces,
                        "inductor_compiles": stats.inductor_compiles, "phases": stats.phases,
                        "compile_seconds": stats.compile_seconds, "compile_workers": stats.compile_workers}
-        # Saved with Inductor configured as for the build: exporting the CPU artifacts'
-        # code (kiln.compiler.replay) asks it for the kernel libraries it built.
-        manifest = save_compiled(entry, compiled, traced.pristine, {
-            **header, "key": key, "factors": factors, "created": time.time(), "stats": saved_stats,
-            "toolchain": toolchain, **libraries,
-            "kernels": checksum_kernels(inductor_dir, kernels | {n for n in libraries.values() if n}),
-        }, replay_from=inductor_dir if cpu else None)
+        # Saved with Inductor configured as for the build, ISA included: exporting the
+        # CPU artifacts' code (kiln.compiler.replay) asks it for the kernel libraries it built.
+        with recorded_vec_isa(toolchain["vec_isa"]):
+            manifest = save_compiled(entry, compiled, traced.pristine, {
+                **header, "key": key, "factors": factors, "created": time.time(), "stats": saved_stats,
+                "toolchain": toolchain, **libraries,
+                "kernels": checksum_kernels(inductor_dir, kernels | {n for n in libraries.values() if n}),
+            }, replay_from=inductor_dir if cpu else None)
     if cpu and replay_in_place(entry, manifest, compiled, inductor_dir):
         stats.artifact_loader = "replay"
     return CompiledEntry(compiled, stats, entry, inductor_dir)

@@ -34,8 +34,10 @@ __all__ = [
     "checksum_kernels",
     "compiler_identity",
     "kernel_files",
+    "predicted_vec_isa_record",
     "recorded_compiler",
     "recorded_vec_isa",
+    "trusted_prediction",
     "vec_isa_record",
 ]
 
@@ -75,8 +77,9 @@ def _patched(patches: dict[tuple[Any, str], Any]) -> contextlib.AbstractContextM
 
 @contextlib.contextmanager
 def recorded_vec_isa(record: dict[str, Any] | None) -> Iterator[None]:
-    """Inside, Inductor's ``pick_vec_isa`` returns the recorded ISA without a
-    probe build. Without a record (an entry built for a GPU) nothing changes."""
+    """Inside, Inductor's ``pick_vec_isa`` returns the recorded ISA, and its
+    truth is the record's, without a probe build. Without a record (an entry
+    built for a GPU) nothing changes."""
     if not record:
         yield
         return
@@ -92,8 +95,17 @@ def recorded_vec_isa(record: dict[str, Any] | None) -> Iterator[None]:
         if hasattr(isa, attr):
             setattr(isa, attr, bool(record.get(key, False)))
     picked: Callable[[], Any] = lambda: isa  # noqa: E731
-    with _patched({(cpu_vec_isa, "pick_vec_isa"): picked, (codecache, "pick_vec_isa"): picked,
-                   (cpu_vec_isa, "valid_vec_isa_list"): lambda: [isa]}):
+    # ``bool(isa)``, which Inductor's C++ builds ask, would run the probe's test
+    # builds for it (three here, 2 CPU-seconds each): the record answers it.
+    patches = {(cpu_vec_isa, "pick_vec_isa"): picked, (codecache, "pick_vec_isa"): picked,
+               (cpu_vec_isa, "valid_vec_isa_list"): lambda: [isa], (type(isa), "__bool__"): lambda self: True}
+    try:  # the CPU GEMM templates (max_autotune) imported the function itself
+        from torch._inductor.codegen import cpp_micro_gemm
+
+        patches[(cpp_micro_gemm, "pick_vec_isa")] = picked
+    except ImportError:
+        pass
+    with _patched(patches):
         yield
 
 
@@ -176,29 +188,31 @@ class ToolchainWarmup:
     """The compiler's one-time work of a cold CPU compile, done while this
     process traces the model, so that the first compilations do not wait for it.
 
-    - **The vector ISA probe builds and the precompiled C++ header** (about 3-7 s
-      and 10-15 s of g++ here), each in a forked process. The header's flags
-      depend on the ISA the probe picks, so its process does not wait for the
-      probe: it builds the header for the ISA the probe picks when every probe
-      build succeeds (``_build_header``), the probe's answer wherever the
-      compiler can build for its own CPU. Both land in caches the compile then
-      finds (the probe libraries in the Inductor cache, the header under
-      $TMPDIR), each built under Inductor's own lock, so nothing is built twice
-      and nothing waits for a build that failed: the compile does it then (a
-      header for a mispredicted ISA is left unused). When one process built
-      both in turn, the header came 11 s after the first compilation had
+    - **The vector ISA, predicted** (``predicted``): what Inductor's probe
+      picks when every probe build succeeds, from the CPU's flags alone. The
+      probe itself (test builds of ATen's vector headers for each candidate)
+      took 9 CPU-seconds here, an eighth of a cold compile's on two cores; the
+      compile uses the prediction where kiln's own kernel builds vouch for it
+      (``trusted_prediction``) and probes only where they do not.
+    - **The precompiled C++ header** (10-15 s of g++ here), in a forked process,
+      for the predicted ISA (``_build_header``). It lands under $TMPDIR, built
+      under Inductor's own lock, so nothing is built twice and nothing waits
+      for a build that failed: the compile does it then (a header for a
+      mispredicted ISA is left unused). When one process built the probe and
+      the header in turn, the header came 11 s after the first compilation had
       started waiting for it; now it is ready as the trace ends.
 
     Elsewhere than Linux, or for a GPU, nothing runs."""
 
     def __init__(self, device_type: str) -> None:
         self.pids: list[int] = []
+        self.predicted: dict[str, Any] | None = None
         if device_type == "cpu" and sys.platform.startswith("linux"):
-            for work in (vec_isa_record, _build_header):
-                pid = os.fork()
-                if pid == 0:
-                    _run_and_exit(work)
-                self.pids.append(pid)
+            self.predicted = _in_fork(predicted_vec_isa_record)
+            pid = os.fork()
+            if pid == 0:
+                _run_and_exit(_build_header)
+            self.pids.append(pid)
 
     def join(self) -> None:
         while self.pids:
@@ -217,6 +231,59 @@ def _run_and_exit(work: Callable[[], Any]) -> None:
         traceback.print_exc()
     finally:
         os._exit(status)
+
+
+def predicted_vec_isa_record() -> dict[str, Any]:
+    """``vec_isa_record()`` as it comes out when every probe build succeeds,
+    without building anything. Run in a forked process only: it changes
+    Inductor's probe for the rest of the process."""
+    from torch._inductor import cpu_vec_isa
+
+    cpu_vec_isa.VecISA.check_build = lambda self, code: True  # type: ignore[method-assign]
+    return vec_isa_record()
+
+
+def trusted_prediction(predicted: dict[str, Any] | None, kernel_isa: str | None, kernel_vnni: bool) -> bool:
+    """Whether the predicted ISA record can stand for the probe's answer: the
+    C linear kernel, built by the same compiler for this CPU
+    (``-march=native``), compiled the vector extensions the prediction names.
+    AMX is beyond what it shows, so a predicted AMX target is probed."""
+    if predicted is None or kernel_isa is None:
+        return False
+    name = predicted.get("name", "")
+    if "amx" in name:
+        return False
+    if "avx512" in name and not kernel_isa.startswith("avx512"):
+        return False
+    if "avx512_vnni" in name and not kernel_vnni:
+        return False
+    return not (predicted.get("avx512_bf16") and kernel_isa != "avx512-bf16")
+
+
+def _in_fork(work: Callable[[], Any]) -> Any:
+    """``work()``'s JSON result, computed in a forked process (None if it
+    failed there)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            os.close(read_end)
+            data = json.dumps(work()).encode()
+            while data:
+                data = data[os.write(write_end, data):]
+            status = 0
+        except BaseException:  # noqa: BLE001  (the parent then probes)
+            traceback.print_exc()
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    chunks = []
+    while chunk := os.read(read_end, 65536):
+        chunks.append(chunk)
+    os.close(read_end)
+    _, status = os.waitpid(pid, 0)
+    return json.loads(b"".join(chunks)) if status == 0 and chunks else None
 
 
 def _build_header() -> None:

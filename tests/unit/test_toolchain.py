@@ -92,3 +92,20 @@ def test_torch_key_is_recorded_then_replayed_while_torch_is_unchanged(tmp_path, 
         assert json.loads(memo.read_text()) == {**saved, "digest": "changed"}
     finally:
         codecache.torch_key.clear()  # the next user computes the real key
+
+
+@pytest.mark.parametrize("predicted, kernel_isa, vnni, trusted", [
+    ({"name": "avx512 avx512_vnni", "avx512_bf16": True}, "avx512-bf16", True, True),
+    ({"name": "avx512 avx512_vnni", "avx512_bf16": True}, "avx512", True, False),  # no bf16 built
+    ({"name": "avx512 avx512_vnni", "avx512_bf16": False}, "avx512", False, False),  # no VNNI built
+    ({"name": "avx512", "avx512_bf16": False}, "avx2", False, False),  # the compiler stopped at AVX2
+    ({"name": "avx2", "avx512_bf16": False}, "avx2", False, True),
+    ({"name": "avx512 avx512_vnni amx_tile", "avx512_bf16": True}, "avx512-bf16", True, False),  # AMX: probed
+    ({"name": "avx2", "avx512_bf16": False}, None, False, False),  # no kernel to vouch for it
+    (None, "avx512-bf16", True, False),
+])
+def test_a_prediction_is_trusted_only_where_kilns_kernel_built_its_extensions(predicted, kernel_isa, vnni: bool,
+                                                                             trusted: bool) -> None:
+    from kiln.compiler.toolchain import trusted_prediction
+
+    assert trusted_prediction(predicted, kernel_isa, vnni) is trusted
