@@ -45,7 +45,6 @@ fused by Inductor into the following normalisation instead.
 from __future__ import annotations
 
 import copy
-import os
 import threading
 import weakref
 from collections.abc import Iterable
@@ -54,6 +53,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import fx
+
+from kiln.models.memory import lowest_priority
 
 __all__ = ["DTYPES", "REWRITE_DTYPES", "available", "implementation", "onednn_linear", "packed", "packed_bytes",
            "prepack", "rewrite_linears", "takes"]
@@ -127,7 +128,7 @@ def prepack(weights: Iterable[torch.Tensor], *, background: bool = False) -> tup
 
     def run() -> None:
         if background:
-            _lower_priority()
+            lowest_priority()
         for w in todo:
             packed(w)
 
@@ -138,16 +139,6 @@ def prepack(weights: Iterable[torch.Tensor], *, background: bool = False) -> tup
     thread = threading.Thread(target=run, name="kiln-reorder-weights")
     thread.start()
     return nbytes, thread
-
-
-def _lower_priority() -> None:
-    """The calling thread (and the OpenMP threads it starts) at the lowest CPU
-    priority, where Linux lets a thread have its own: the engine's steps win
-    the cores while the weights are reordered."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):  # not Linux, or not allowed: the same work at the same priority
-        pass
 
 
 def packed_bytes() -> int:

@@ -47,7 +47,7 @@ from kiln.engine.runner import CaptureReport, ModelRunner
 from kiln.engine.scheduler import Scheduler
 from kiln.graphs import CUDAGraphDispatcher, TorchCUDAGraphs
 from kiln.models import CausalLM, build_model, parse_dtype, parse_model_config
-from kiln.models.memory import zeroed_host_memory
+from kiln.models.memory import collapse_to_huge_pages, zeroed_host_memory
 from kiln.models.quant import QUANTIZATION_MODES, packed_layers
 
 if TYPE_CHECKING:
@@ -238,8 +238,13 @@ def resolve_config(source: ModelSource, options: LoadOptions) -> ResolvedConfig:
 
 # ------------------------------------------------------------------ 4. model
 def load_model(config: ResolvedConfig, source: ModelSource, weights: bool = True) -> CausalLM:
-    return build_model(config.model, source.checkpoint, config.dtype, config.device, config.rope_positions,
-                       weights=weights, quantization=config.quantization)
+    """The model with its weights; on CPU they move into huge pages in the
+    background once read (``kiln.models.memory``)."""
+    model = build_model(config.model, source.checkpoint, config.dtype, config.device, config.rope_positions,
+                        weights=weights, quantization=config.quantization)
+    if weights:
+        collapse_to_huge_pages(model)
+    return model
 
 
 # ------------------------------------------------------------------ 5. compile

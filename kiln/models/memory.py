@@ -1,14 +1,20 @@
-"""Host memory for the model: its parameters in one block advised as
-transparent huge pages, and zeroed memory that costs nothing until touched (the
-KV cache).
+"""Host memory for the model: its parameters in one block, moved into
+transparent huge pages after loading, and zeroed memory that costs nothing
+until touched (the KV cache).
 
 A CPU decode step streams every weight from memory, 540 MB a token for
 SmolLM2-135M in fp32. In 4 KiB pages that is some 135,000 TLB entries a step; in
 2 MiB pages 512 times fewer, and reading them is faster (18.9 against 17.7 GB/s
-here). Placing them costs more once (0.71 against 0.24 s on this virtual
-machine, where fresh huge pages are slow to hand out):
-bench/results/huge-pages-cpu-20261201-095344.json. On a GPU, or where the kernel
-ignores the advice, the parameters are ordinary allocations.
+here; decode 48.7 against 45.5 tok/s in a scratch run). Faulting fresh huge
+pages in at load cost more and varied with the machine (0.61-1.71 s against
+0.39-0.58 s for 540 MB: zeroing and compacting 2 MiB pages,
+bench/results/huge-pages-cpu-20261201-095344.json), and that was most of a warm
+start. So the weights load into ordinary pages, and a thread at the lowest
+priority then asks the kernel to collapse them into huge pages
+(``MADV_COLLAPSE``, Linux 6.1+: 1.5 s for 540 MB here) while the engine
+serves. On an older kernel the block is only advised (``MADV_HUGEPAGE``), for
+the kernel's own collapsing thread. On a GPU the parameters are ordinary
+allocations.
 """
 
 from __future__ import annotations
@@ -18,17 +24,20 @@ import ctypes.util
 import functools
 import logging
 import mmap
+import os
+import threading
 
 import torch
 from torch import nn
 
-__all__ = ["materialize", "zeroed_host_memory"]
+__all__ = ["collapse_to_huge_pages", "lowest_priority", "materialize", "zeroed_host_memory"]
 
 logger = logging.getLogger(__name__)
 
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault the whole block in at once
+_MADV_COLLAPSE = 25  # Linux 6.1+: make huge pages of these pages now
+_COLLAPSE_CHUNK = 32 << 20  # one madvise call: the engine's page faults wait for at most this much
 _ALIGN = 64  # every parameter starts on a cache line
 
 
@@ -41,16 +50,55 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
-def _advise_huge_pages(block: torch.Tensor) -> None:
-    """Ask the kernel to back ``block`` (2 MiB aligned) with huge pages, and to
-    fault it all in now, in one call rather than a fault per page as the
-    weights are read."""
+def _madvise(address: int, length: int, advice: int) -> int:
+    """0, or the errno of ``madvise`` (-1 without libc)."""
     libc = _libc()
     if libc is None or not hasattr(libc, "madvise"):
-        return
-    for advice, name in ((_MADV_HUGEPAGE, "MADV_HUGEPAGE"), (_MADV_POPULATE_WRITE, "MADV_POPULATE_WRITE")):
-        if libc.madvise(ctypes.c_void_p(block.data_ptr()), ctypes.c_size_t(block.numel()), advice) != 0:
-            logger.debug("madvise(%s) failed: errno %d", name, ctypes.get_errno())
+        return -1
+    if libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), advice) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+def lowest_priority() -> None:
+    """The calling thread (and the OpenMP threads it starts) at the lowest CPU
+    priority, where Linux lets a thread have its own: the engine's steps win
+    the cores from background work."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the same work at the same priority
+        pass
+
+
+def collapse_to_huge_pages(model: nn.Module) -> threading.Thread | None:
+    """Start moving the parameters' block (``materialize``) into huge pages, in
+    a thread at the lowest priority, 32 MiB a call; the thread, or None where
+    there is nothing to do (not CPU, no block). The values do not change."""
+    params = list(model.parameters())
+    if not params or params[0].device.type != "cpu":
+        return None
+    storage = params[0].untyped_storage()
+    if any(p.untyped_storage().data_ptr() != storage.data_ptr() for p in params):
+        return None  # not one block: parameters replaced after materialize
+    start = storage.data_ptr() + (-storage.data_ptr() % _HUGE_PAGE)
+    end = storage.data_ptr() + storage.nbytes()
+    length = (end - start) // _HUGE_PAGE * _HUGE_PAGE
+    if length <= 0:
+        return None
+
+    def run() -> None:
+        lowest_priority()
+        for offset in range(0, length, _COLLAPSE_CHUNK):
+            error = _madvise(start + offset, min(_COLLAPSE_CHUNK, length - offset), _MADV_COLLAPSE)
+            if error:  # an older kernel (EINVAL), or no huge page to be had: leave it to khugepaged
+                logger.debug("madvise(MADV_COLLAPSE) failed: errno %d; advising MADV_HUGEPAGE", error)
+                _madvise(start, length, _MADV_HUGEPAGE)
+                return
+
+    # a daemon: collapsing changes no value, and an exit need not wait for it
+    thread = threading.Thread(target=run, name="kiln-huge-pages", daemon=True)
+    thread.start()
+    return thread
 
 
 def zeroed_host_memory(nbytes: int) -> torch.Tensor:
@@ -64,12 +112,10 @@ def zeroed_host_memory(nbytes: int) -> torch.Tensor:
 
 
 def _huge_page_block(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of uninitialised CPU memory starting on a huge page, advised."""
+    """``nbytes`` of uninitialised CPU memory starting on a huge page boundary."""
     raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % _HUGE_PAGE
-    block = raw[start: start + nbytes]
-    _advise_huge_pages(block)
-    return block
+    return raw[start: start + nbytes]
 
 
 def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
