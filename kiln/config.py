@@ -86,9 +86,9 @@ _LEVEL_DEFAULTS: dict[int, dict[str, Any]] = {
 }
 DEFAULT_SPLITTING_OPS = ["kiln::attention"]
 # On CPU an exact size pays only where the compiler rewrites small-batch linears
-# as reductions (up to 4 tokens, ``kiln.compiler.gemv``); at 8 tokens the exact
-# runnable decodes no faster than the range (bench/results/compile-sizes-cpu-latest.json),
-# and skipping it saves a sixth of a cold compile.
+# (up to 4 tokens as reductions, ``kiln.compiler.gemv``); with kiln's C linear
+# kernel the sizes from 2 on are one few-row runnable for 2 to 8 tokens
+# (``kiln.compiler.pipeline._piece_jobs``; bench/results/compile-sizes-cpu-latest.json).
 _CPU_COMPILE_SIZES = (1, 2, 4)
 
 

@@ -245,9 +245,10 @@ def predicted_vec_isa_record() -> dict[str, Any]:
 
 def trusted_prediction(predicted: dict[str, Any] | None, kernel_isa: str | None, kernel_vnni: bool) -> bool:
     """Whether the predicted ISA record can stand for the probe's answer: the
-    C linear kernel, built by the same compiler for this CPU
-    (``-march=native``), compiled the vector extensions the prediction names.
-    AMX is beyond what it shows, so a predicted AMX target is probed."""
+    C linear kernel, built by the machine's C compiler for this CPU
+    (``-march=native``; gcc beside Inductor's g++ here), compiled the vector
+    extensions the prediction names. AMX is beyond what it shows, so a
+    predicted AMX target is probed."""
     if predicted is None or kernel_isa is None:
         return False
     name = predicted.get("name", "")
