@@ -128,15 +128,19 @@ class CompiledModel:
         """Start reordering for oneDNN, in a thread (``self.reordering``), the
         weights its many-row pieces hand to it (``kiln.compiler.onednn``):
         every dense fp32 linear's, and the LM head's when a step can sample
-        more than ``CPU_GEMV_MAX_TOKENS`` rows (``max_rows``). Returns the
-        bytes the copies take (0 off CPU, or for dtypes it does not take)."""
+        more rows (``max_rows``) than the C kernel or the compiled heads
+        take. Returns the bytes the copies take (0 off CPU, or for dtypes it
+        does not take)."""
         device = next(self.model.parameters()).device
         if not onednn.available(device):
             return 0
         weights = [m.weight for m in self.model.modules()
                    if isinstance(m, nn.Linear) and m.weight.dtype in onednn.REWRITE_DTYPES]
         tensors, fmt = self.model.logits_inputs()
-        if fmt is None and max_rows > CPU_GEMV_MAX_TOKENS:
+        kernel = self.linear_kernel
+        few = (cpu_linear.MAX_ROWS if kernel is not None and dense_kind(tensors[0].dtype, tensors[0].dtype)
+               in kernel.kinds else CPU_GEMV_MAX_TOKENS)  # the rows that never reach oneDNN (_native_head)
+        if fmt is None and max_rows > few:
             weights.append(tensors[0])
         nbytes, self.reordering = onednn.prepack(weights, background=True)
         return nbytes
@@ -240,17 +244,17 @@ def _piece_jobs(
     index_of = {sig: i for i, sig in enumerate(unique)}
     jobs: list[tuple[CompileJob, Install]] = []
     for sig, (piece, runnables) in unique.items():
-        fakes = [n.meta["example_value"] for n in piece.graph_module.graph.nodes if n.op == "placeholder"]
         label = f"piece {index_of[sig]} [range 1-{max_num_tokens}]"
-        jobs.append((CompileJob(label, _many_rows(lower_quantized(piece.graph_module), device), fakes, dynamic=True),
+        jobs.append((CompileJob(label, _many_rows(lower_quantized(piece.graph_module), device),
+                                _traced_inputs(piece.graph_module), dynamic=True),
                      functools.partial(setattr, runnables, "range")))
     span = _few_rows(unique, sizes, device, policy)
     if span is not None:
         sizes = [n for n in sizes if not span[0] <= n <= span[1]]
         for sig, (piece, runnables) in unique.items():
-            fakes = [n.meta["example_value"] for n in piece.graph_module.graph.nodes if n.op == "placeholder"]
             gm, _ = decompose_linears(piece.graph_module, span[0], policy)
-            jobs.append((CompileJob(f"piece {index_of[sig]} [{span[0]}-{span[1]}]", gm, fakes, dynamic=True),
+            jobs.append((CompileJob(f"piece {index_of[sig]} [{span[0]}-{span[1]}]", gm,
+                                    _traced_inputs(piece.graph_module), dynamic=True),
                          functools.partial(_install_few, runnables, span)))
     for n in sizes:
         recorded = _record_piece_inputs(split, example_args(n), {p.name for p, _ in unique.values()})
@@ -263,6 +267,11 @@ def _piece_jobs(
             jobs.append((CompileJob(f"piece {index_of[sig]} [{n}]", gm, recorded[piece.name], dynamic=False),
                          functools.partial(runnables.exact.__setitem__, n)))
     return jobs
+
+
+def _traced_inputs(gm: fx.GraphModule) -> list[Any]:
+    """The piece's inputs as the trace recorded them (symbolic token count)."""
+    return [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
 
 
 def _few_rows(unique: dict[str, tuple[Piece, BucketedPiece]], sizes: list[int], device: torch.device,
