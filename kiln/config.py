@@ -31,7 +31,8 @@ SUPPORTED_LEVELS = (0, 1, 2, 3)
 DEFAULT_LEVEL = 2
 
 class CUDAGraphMode(str, enum.Enum):
-    """How a step may be replayed under CUDA graphs (GPU only)."""
+    """How a step may be replayed under graphs: CUDA graphs on a GPU, CPU call
+    graphs (``kiln.graphs.cpu``, FULL_DECODE_ONLY at most) on a CPU."""
 
     NONE = "NONE"
     PIECEWISE = "PIECEWISE"
@@ -92,6 +93,25 @@ DEFAULT_SPLITTING_OPS = ["kiln::attention"]
 _CPU_COMPILE_SIZES = (1, 2, 4)
 
 
+# CPU call graphs (kiln.graphs.cpu) replay whole uniform decode steps of up to
+# this many requests: the sizes whose steps run kiln's native kernels alone (C
+# linear kernel up to 8 rows, kiln.compiler.cpu_linear.MAX_ROWS). One graph a
+# size, captured by its first step: no padding, nothing paid at load.
+CPU_CAPTURE_MAX = 8
+
+
+def _cpu_graph_mode(mode: CUDAGraphMode) -> CUDAGraphMode:
+    """A mode as CPU call graphs serve it: whole uniform decode steps only
+    (their attention is the C decode kernel's calls; other steps' is not
+    recorded), so every FULL mode is FULL_DECODE_ONLY and PIECEWISE is NONE
+    (a piece's Python is a small part of what a whole step's graph saves)."""
+    if mode in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY):
+        return CUDAGraphMode.FULL_DECODE_ONLY
+    if mode is CUDAGraphMode.PIECEWISE:
+        logger.info("CPU call graphs replay whole decode steps: cudagraph_mode PIECEWISE resolves to NONE on cpu")
+    return CUDAGraphMode.NONE
+
+
 def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
     """1, 2, 4, then every multiple of 8 up to ``min(2 * max_num_seqs, 512)``,
     never above the step's token budget."""
@@ -115,12 +135,16 @@ class CompilationConfig:
     Fields left as ``None`` take the level's default when ``resolve`` runs; a
     field the user set keeps the user's value whatever the level.
 
-    | level | compile                             | CUDA graphs (GPU)   |
-    |-------|-------------------------------------|---------------------|
-    | 0     | none (eager)                        | NONE                |
-    | 1     | piecewise, dynamic range only       | PIECEWISE           |
-    | 2     | piecewise, exact sizes + range      | FULL_AND_PIECEWISE  |
-    | 3     | as 2, plus Inductor autotuning      | FULL_AND_PIECEWISE  |
+    | level | compile                             | CUDA graphs (GPU)   | CPU call graphs  |
+    |-------|-------------------------------------|---------------------|------------------|
+    | 0     | none (eager)                        | NONE                | NONE             |
+    | 1     | piecewise, dynamic range only       | PIECEWISE           | NONE             |
+    | 2     | piecewise, exact sizes + range      | FULL_AND_PIECEWISE  | FULL_DECODE_ONLY |
+    | 3     | as 2, plus Inductor autotuning      | FULL_AND_PIECEWISE  | FULL_DECODE_ONLY |
+
+    On CPU the graph modes are served by CPU call graphs (``kiln.graphs.cpu``):
+    decode steps of 1 to ``CPU_CAPTURE_MAX`` requests replay their recorded
+    native calls.
     """
 
     level: int = DEFAULT_LEVEL
@@ -157,10 +181,14 @@ class CompilationConfig:
         if self.compile_sizes is None and device_type == "cpu":
             compile_sizes = [s for s in compile_sizes if s in _CPU_COMPILE_SIZES]
         mode = self.cudagraph_mode if self.cudagraph_mode is not None else d["cudagraph_mode"]
-        if device_type != "cuda" and mode is not CUDAGraphMode.NONE:
+        capture = self.cudagraph_capture_sizes
+        if device_type == "cpu":
+            mode = _cpu_graph_mode(mode)
+            if capture is None:
+                capture = list(range(1, min(max_num_seqs, CPU_CAPTURE_MAX) + 1))
+        elif device_type != "cuda" and mode is not CUDAGraphMode.NONE:
             logger.info("CUDA graphs need a GPU: cudagraph_mode %s resolves to NONE on %s", mode.value, device_type)
             mode = CUDAGraphMode.NONE
-        capture = self.cudagraph_capture_sizes
         if capture is None:
             capture = default_capture_sizes(max_num_seqs, max_num_batched_tokens)
         return CompilationConfig(

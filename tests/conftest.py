@@ -186,6 +186,8 @@ class RerunGraphs:
     the captured output tensors); it cannot show that kernels avoid host-side
     values, which only a GPU can."""
 
+    captures_live_steps = False  # captured at load, as CUDA graphs are
+
     def __init__(self) -> None:
         self.captures = 0
         self.replays = 0

@@ -79,7 +79,9 @@ def test_startup_report_counts(compiled_llama) -> None:
     assert len(r["compile_seconds"]) == r["inductor_compiles"]
     for phase in ("load_weights",) + (("trace", "split", "compile") if fresh else ()):
         assert r["phases"][phase] >= 0
-    assert r["cudagraph_mode"] == "NONE"  # CPU
+    # CPU: call graphs (kiln.graphs.cpu) of uniform decode steps, captured by each size's first step
+    assert r["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    assert r["cudagraphs_captured"] == 0
     # every linear's weight and the tied LM head's, reordered for oneDNN in a thread (kiln.compiler.onednn)
     if onednn.available(torch.device("cpu")):
         linears = [m.weight for m in rt.compiled.model.model.modules() if isinstance(m, torch.nn.Linear)]
@@ -101,8 +103,11 @@ def test_decode_steps_cause_no_new_trace(compiled_llama) -> None:
     assert torch._dynamo.utils.counters["stats"]["calls_captured"] == calls
 
 
-def test_dispatch_prefers_exact_size_then_range(compiled_llama) -> None:
-    rt, model = compiled_llama
+def test_dispatch_prefers_exact_size_then_range(llama_checkpoint) -> None:
+    # without CPU call graphs: a replayed decode step calls the kernels its
+    # capture recorded and picks no runnable (tests/test_cuda_graphs.py)
+    path, model = llama_checkpoint
+    rt = Runtime.load(path, optimization_level=2, compile_sizes=[1, 2, 4], cudagraph_mode="NONE")
     backends = list(rt.compiled.model.pieces.values())
     vocab = model.config.vocab_size
     rid = rt.add_request(random_prompts(1, [9], vocab, seed=4)[0], GREEDY)

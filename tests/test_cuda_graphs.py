@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kiln import Runtime, SamplingParams
-from kiln.config import CompilationConfig, CUDAGraphMode
+from kiln.config import CUDAGraphMode, CUDAGraphSupport
 from kiln.graphs import CUDAGraphDispatcher
 from tests.conftest import RerunGraphs, build_hf_model, hf_greedy, load_eager, random_prompts, save_checkpoint
 
@@ -25,21 +25,50 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 # ----------------------------------------------------------------- CPU runtime
 
 
-def test_graph_modes_resolve_to_none_on_cpu(llama_checkpoint, caplog) -> None:
+def test_cpu_call_graphs_generate_the_eager_tokens(llama_checkpoint) -> None:
+    """-O2 on CPU: a uniform decode step of each size is captured by its first
+    step (kiln.graphs.cpu) and replayed after; tokens equal transformers'."""
     path, model = llama_checkpoint
-    prompts = random_prompts(3, [4, 9, 15], model.config.vocab_size, seed=7)
+    prompts = random_prompts(4, [4, 9, 15, 6], model.config.vocab_size, seed=7)
     expected = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
-    config = CompilationConfig(level=2, cudagraph_mode="FULL_AND_PIECEWISE")
-    with caplog.at_level("INFO", logger="kiln.config"):
-        resolved = config.resolve(device_type="cpu", max_num_seqs=4, max_num_batched_tokens=64)
-    assert resolved.cudagraph_mode is NONE
-    assert sum("resolves to NONE" in r.getMessage() for r in caplog.records) == 1
-    rt = Runtime.load(path, device="cpu", optimization_level=2, compile_sizes=[1, 2, 4],
-                      cudagraph_mode="FULL_AND_PIECEWISE")
-    assert rt.startup_report["cudagraph_mode"] == "NONE"
-    assert rt.startup_report["cudagraphs_captured"] == 0
+    rt = Runtime.load(path, device="cpu", optimization_level=2, compile_sizes=[1, 2, 4], max_num_seqs=4)
+    assert rt.startup_report["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    assert rt.startup_report["cudagraphs_captured"] == 0  # nothing at load: the first step of a size captures it
+    wrapper = rt.engine.runner.forward
     assert [o.token_ids for o in rt.generate(prompts, GREEDY)] == expected
-    assert [o.token_ids for o in load_eager(path, device="cpu").generate(prompts, GREEDY)] == expected
+    assert 4 in {d.num_tokens for d in wrapper.entries}
+    replays = wrapper.replays
+    assert replays > 0
+    for prompt, tokens in zip(prompts, expected):  # one request at a time: the graph of 1
+        assert rt.generate([prompt], GREEDY)[0].token_ids == tokens
+    assert 1 in {d.num_tokens for d in wrapper.entries}
+    assert wrapper.replays >= replays + len(prompts) * (GREEDY.max_tokens - 2)
+    eager = load_eager(path, device="cpu")
+    assert [o.token_ids for o in eager.generate(prompts, GREEDY)] == expected
+
+
+def test_a_step_with_torch_work_runs_without_a_cpu_call_graph(llama_checkpoint, caplog) -> None:
+    """Torch work inside the forward would be left out of a replay: the
+    capture refuses it, that size is dropped, and the step runs again
+    without a graph, with the same tokens."""
+    path, model = llama_checkpoint
+    prompts = random_prompts(2, [5, 11], model.config.vocab_size, seed=8)
+    expected = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    rt = Runtime.load(path, device="cpu", optimization_level=2, compile_sizes=[1, 2, 4], max_num_seqs=4)
+    backend = rt.engine.runner.attention_backend
+    attend = backend.forward
+
+    def forward_with_torch_work(query, key, value, out, *rest):  # noqa: ANN001, ANN202
+        attend(query, key, value, out, *rest)
+        out.mul_(1.0)
+
+    backend.forward = forward_with_torch_work
+    with caplog.at_level("INFO", logger="kiln.engine.runner"):
+        assert [o.token_ids for o in rt.generate(prompts, GREEDY)] == expected
+    assert any("aten::mul_" in r.getMessage() for r in caplog.records)
+    dispatcher = rt.engine.runner.dispatcher
+    assert 2 not in dispatcher.capture_sizes
+    assert not rt.engine.runner.forward.entries
 
 
 # Under emulation Triton runs in its interpreter, which only CPU-only machines turn on;
@@ -51,23 +80,26 @@ _INTERPRETED_TRITON = pytest.param(
 
 @pytest.mark.parametrize("backend", ["torch", _INTERPRETED_TRITON])
 def test_emulated_graphs_generate_the_eager_tokens(llama_checkpoint, backend: str) -> None:
-    """FULL_AND_PIECEWISE with graphs emulated on CPU: the torch backend runs
-    PIECEWISE only (it declares no FULL support), Triton gets FULL decode graphs
-    with padded request rows. Tokens must equal -O0's."""
+    """FULL_AND_PIECEWISE with graphs emulated on CPU: Triton, and the torch
+    backend with the C decode kernel, get FULL decode graphs with padded
+    request rows (the torch backend without the kernel would run PIECEWISE
+    only). Tokens must equal -O0's."""
     path, model = llama_checkpoint
     prompts = random_prompts(3, [4, 13, 22], model.config.vocab_size, seed=2)
     expected = [o.token_ids for o in load_eager(path, device="cpu").generate(prompts, GREEDY)]
     assert expected == [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
 
-    rt = Runtime.load(path, device="cpu", optimization_level=2, compile_sizes=[1, 2, 4],
+    rt = Runtime.load(path, device="cpu", optimization_level=2, compile_sizes=[1, 2, 4], cudagraph_mode="NONE",
                       attention_backend=backend, max_num_batched_tokens=8, max_num_seqs=4)
     runner = rt.engine.runner
+    # the torch backend allows FULL decode graphs when the C decode kernel serves it
+    full = runner.attention_backend.cudagraph_support is not CUDAGraphSupport.NEVER
     d = CUDAGraphDispatcher(F_AND_P, [1, 2, 4, 8], support=runner.attention_backend.cudagraph_support,
                             has_pieces=True, max_num_seqs=4)
     graphs = RerunGraphs()
     runner.install_cuda_graphs(d, graphs, check_addresses=True)
     report = runner.capture_graphs(progress=False)
-    assert report.graphs == len(d.capture_plan()) == (7 if backend == "triton" else 4)  # FULL decode at 1, 2, 4
+    assert report.graphs == len(d.capture_plan()) == (7 if full else 4)  # FULL decode at 1, 2, 4
 
     padded = []
     dispatch = runner._dispatch
@@ -83,7 +115,7 @@ def test_emulated_graphs_generate_the_eager_tokens(llama_checkpoint, backend: st
     assert [o.token_ids for o in rt.generate(prompts, GREEDY)] == expected
     assert graphs.replays > before
     # the decode steps of 3 requests ran padded to 4 tokens (and, FULL, to 4 requests)
-    if backend == "triton":
+    if full:
         assert (3, FULL, 4, 4) in padded
     else:
         assert (3, PIECEWISE, 4, None) in padded

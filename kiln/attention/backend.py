@@ -64,7 +64,9 @@ class AttentionBackend(abc.ABC):
     """Writes a step's K/V into the paged cache and attends over it."""
 
     name: ClassVar[str]
-    cudagraph_support: ClassVar[CUDAGraphSupport]
+    # what the backend allows inside a graph; an instance may allow more than
+    # its class (the torch backend with the CPU decode kernel)
+    cudagraph_support: CUDAGraphSupport
 
     @abc.abstractmethod
     def build_metadata(self, common: CommonAttentionMetadata) -> Any:

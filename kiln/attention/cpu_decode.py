@@ -39,7 +39,7 @@ import torch
 
 from kiln.native import KernelBuildError, NativeSource
 
-__all__ = ["DecodeStep", "KernelBuildError", "PagedDecodeKernel", "build_paged_decode", "library_name"]
+__all__ = ["DecodeStep", "KernelBuildError", "PagedDecodeKernel", "StepArgs", "build_paged_decode", "library_name"]
 
 SOURCE = NativeSource(Path(__file__).with_name("paged_decode.c"), "paged-decode")
 
@@ -55,8 +55,9 @@ def build_paged_decode(inductor_dir: Path) -> str:
     return SOURCE.build(inductor_dir)
 
 
-class _StepArgs(ctypes.Structure):
-    """``kiln_step`` in paged_decode.c."""
+class StepArgs(ctypes.Structure):
+    """``kiln_step`` in paged_decode.c: what every layer of a step shares,
+    read by the kernel on each call."""
 
     _fields_ = [("rows", ctypes.c_void_p), ("block_table", ctypes.c_void_p), ("bt_stride", ctypes.c_int64),
                 ("seq_lens", ctypes.c_void_p), ("B", ctypes.c_int64), ("slots", ctypes.c_void_p),
@@ -69,19 +70,29 @@ class DecodeStep:
     tables (``block_table`` [B, stride] int32, rows contiguous) and context
     lengths (``seq_lens`` [B] int32), and the cache slots of the step's ``n``
     new tokens (``slots``, int64, every one a real slot). The tensors are kept
-    here as long as the kernel may read them."""
+    here as long as the kernel may read them.
+
+    ``args``: the structure to write them into, in place of a new one. An
+    attention backend hands the same one to every step, so that its address
+    is fixed and a CPU call graph (``kiln.graphs.cpu``), which replays the
+    kernel's calls with their captured arguments, reads each step's values."""
 
     def __init__(self, rows: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor,
-                 n: int) -> None:
+                 n: int, args: StepArgs | None = None) -> None:
         if not (rows.dtype == torch.int64 and block_table.dtype == seq_lens.dtype == torch.int32
                 and slots.dtype == torch.int64 and block_table.stride(-1) == 1 and rows.is_contiguous()
                 and seq_lens.is_contiguous() and slots.is_contiguous() and slots.shape[0] >= n):
             raise ValueError("DecodeStep takes int64 rows and slots, int32 block tables and lengths, contiguous")
         self.rows, self.block_table, self.seq_lens, self.slots = rows, block_table, seq_lens, slots
         self.num_requests, self.num_tokens = rows.shape[0], n
-        self.args = ctypes.byref(_StepArgs(rows.data_ptr(), block_table.data_ptr(), block_table.stride(0),
-                                           seq_lens.data_ptr(), rows.shape[0], slots.data_ptr(), n,
-                                           torch.get_num_threads()))
+        fields = (rows.data_ptr(), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), rows.shape[0],
+                  slots.data_ptr(), n, torch.get_num_threads())
+        if args is None:
+            args = StepArgs(*fields)
+        else:
+            (args.rows, args.block_table, args.bt_stride, args.seq_lens, args.B, args.slots, args.n,
+             args.threads) = fields
+        self.args = ctypes.byref(args)
 
 
 class PagedDecodeKernel:
@@ -95,6 +106,10 @@ class PagedDecodeKernel:
         fn.argtypes = [p, p, i, p, i, p, i, p, i, p, i, i, i, i, i, ctypes.c_float, i, i]
         fn.restype = ctypes.c_int
         self._layer = fn
+
+    def native_sites(self) -> list[tuple[object, str]]:
+        """Where ``layer`` finds its native function (``kiln.graphs.cpu``)."""
+        return [(self, "_layer")]
 
     def layer(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
               kv_cache: torch.Tensor, step: DecodeStep, scale: float, sliding_window: int) -> bool:

@@ -7,6 +7,12 @@ kernel, which writes the layer's new keys and values and reads the cache in
 place in one call; prefill chunks walk their requests in Python with host-side
 lengths, one SDPA call each. Host-side lengths mean it can never
 sit inside a FULL CUDA graph.
+
+With the C kernel, a step of single-query requests is one kernel call a
+layer whose per-step values (rows, block tables, lengths, slots) the kernel
+reads from one structure at a fixed address, rewritten by each step's
+``build_metadata``: a CPU call graph (``kiln.graphs.cpu``) replays those calls
+for uniform decode steps.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.attention.backend import AttentionBackend, CommonAttentionMetadata
-from kiln.attention.cpu_decode import DecodeStep, PagedDecodeKernel
+from kiln.attention.cpu_decode import DecodeStep, PagedDecodeKernel, StepArgs
 from kiln.config import CUDAGraphSupport
 
 __all__ = ["TorchAttentionBackend", "TorchAttentionMetadata", "paged_attention_torch", "write_kv_cache"]
@@ -197,10 +203,10 @@ def _decode_batch(common: CommonAttentionMetadata, decodes: list[int], qsl: list
 
 
 def _native_step(common: CommonAttentionMetadata, decodes: list[int], qsl: list[int],
-                 seq_lens: list[int]) -> DecodeStep:
+                 seq_lens: list[int], args: StepArgs) -> DecodeStep:
     """The step as the C kernel takes it: the single-query requests' rows,
     block tables and lengths (none in a step of prefills only), and the new
-    tokens' slots."""
+    tokens' slots, written into ``args``."""
     table = common.block_table
     if decodes and decodes[-1] - decodes[0] == len(decodes) - 1:  # consecutive requests: consecutive rows
         first = qsl[decodes[0]]
@@ -210,7 +216,7 @@ def _native_step(common: CommonAttentionMetadata, decodes: list[int], qsl: list[
         rows = torch.tensor([qsl[i] for i in decodes], dtype=torch.int64)
         table = table[torch.tensor(decodes, dtype=torch.int64)]
     lens = torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int32)
-    return DecodeStep(rows, table.to(torch.int32), lens, common.slot_mapping, common.num_actual_tokens)
+    return DecodeStep(rows, table.to(torch.int32), lens, common.slot_mapping, common.num_actual_tokens, args)
 
 
 def _mask(ctx: int, q_len: int, sliding_window: int, group: int, device: torch.device) -> torch.Tensor | None:
@@ -236,6 +242,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, decode_kernel: PagedDecodeKernel | None = None) -> None:
         self.decode_kernel = decode_kernel
+        # every step's DecodeStep writes here: one address for the kernel's calls
+        self.step_args = StepArgs()
+        if decode_kernel is not None:
+            # a uniform decode step's attention is then the kernel's calls alone (CPU call graphs)
+            self.cudagraph_support = CUDAGraphSupport.UNIFORM_DECODE
 
     def with_decode_kernel(self, kernel: PagedDecodeKernel | None) -> TorchAttentionBackend:
         return self if kernel is self.decode_kernel else TorchAttentionBackend(kernel)
@@ -259,7 +270,7 @@ class TorchAttentionBackend(AttentionBackend):
             block_table=common.block_table,
             slot_mapping=common.slot_mapping,
             per_request=per_request,
-            native=_native_step(common, decodes, qsl, seq_lens) if native else None,
+            native=_native_step(common, decodes, qsl, seq_lens, self.step_args) if native else None,
             common=common,
             decodes=tuple(decodes) if batched else (),
         )

@@ -824,6 +824,74 @@ done:
     return rc;
 }
 
+/* ------------------------------------------------------------------ argmax
+ * Each row's index of its largest value, as torch's max(dim=-1) picks it: the
+ * first of equal values, and the first NaN where a row has one. The sampler
+ * takes a greedy step's tokens this way: torch's max over the last dim took
+ * 63-93 us for one 49152-wide row here and 460-500 us for four (fp32 and
+ * bf16, 2 threads), two passes over the row in L2 a few. */
+#if KILN_AVX512
+#define vmax _mm512_max_ps
+#define vset1 _mm512_set1_ps
+static inline unsigned vmask_eq(vfloat a, vfloat b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+static inline unsigned vmask_nan(vfloat a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+static inline float vhmax(vfloat v) { return _mm512_reduce_max_ps(v); }
+#else
+#define vmax _mm256_max_ps
+#define vset1 _mm256_set1_ps
+static inline unsigned vmask_eq(vfloat a, vfloat b) { return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }
+static inline unsigned vmask_nan(vfloat a) { return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
+static inline float vhmax(vfloat v) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+#endif
+
+#define ARGMAX_ROW(NAME, T, LOADV, TOF)                                                            \
+static int64_t NAME(const T *x, int64_t n) {                                                       \
+    vfloat m0 = vset1(-INFINITY), m1 = m0;                                                         \
+    unsigned nan = 0;                                                                              \
+    int64_t i = 0;                                                                                 \
+    for (; i + 2 * VW <= n; i += 2 * VW) {                                                         \
+        const vfloat a = LOADV(x + i), b = LOADV(x + i + VW);                                      \
+        nan |= vmask_nan(a) | vmask_nan(b);                                                        \
+        m0 = vmax(m0, a);                                                                          \
+        m1 = vmax(m1, b);                                                                          \
+    }                                                                                              \
+    float best = vhmax(vmax(m0, m1));                                                              \
+    for (; i < n; i++) {                                                                           \
+        const float v = TOF(x[i]);                                                                 \
+        if (v != v) nan = 1;                                                                       \
+        else if (v > best) best = v;                                                               \
+    }                                                                                              \
+    if (nan)                                                                                       \
+        for (i = 0; i < n; i++)                                                                    \
+            if (TOF(x[i]) != TOF(x[i])) return i;                                                  \
+    const vfloat target = vset1(best);                                                             \
+    for (i = 0; i + VW <= n; i += VW) {                                                            \
+        const unsigned k = vmask_eq(LOADV(x + i), target);                                         \
+        if (k) return i + __builtin_ctz(k);                                                        \
+    }                                                                                              \
+    for (; i < n; i++)                                                                             \
+        if (TOF(x[i]) == best) return i;                                                           \
+    return 0;                                                                                      \
+}
+
+ARGMAX_ROW(argmax_f32, float, vload, f32_id)
+ARGMAX_ROW(argmax_bf16, uint16_t, load_bf16, bf16_to_f32)
+
+/* ``out[r]``: the argmax of row r of ``x`` (``rows`` rows of ``n`` values,
+ * ``stride`` elements apart; fp32, or bf16 where ``x_bf16``). Returns 0, -1
+ * for sizes outside the kernel's. */
+int kiln_argmax(const void *x, int x_bf16, int64_t rows, int64_t n, int64_t stride, int64_t *out, int threads) {
+    if (rows < 1 || n < 1 || stride < n) return -1;
+#pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        out[r] = x_bf16 ? argmax_bf16((const uint16_t *)x + r * stride, n) : argmax_f32((const float *)x + r * stride, n);
+    return 0;
+}
+
 /* The kinds this library takes (KILN_KINDS), for kiln to check before calling. */
 int kiln_linear_kinds(void) { return KILN_KINDS; }
 
@@ -872,8 +940,43 @@ static PyObject *py_linear(PyObject *self, PyObject *const *a, Py_ssize_t n_args
     return PyLong_FromLong(rc);
 }
 
+/* argmax(x, x_bf16, rows, n, stride, threads) -> [index of row 0, ...], or None
+ * where kiln_argmax refuses the sizes. */
+static PyObject *py_argmax(PyObject *self, PyObject *const *a, Py_ssize_t n_args) {
+    (void)self;
+    if (n_args != 6) {
+        PyErr_Format(PyExc_TypeError, "argmax() takes 6 arguments (%zd given)", n_args);
+        return NULL;
+    }
+    int64_t v[5];
+    for (int i = 0; i < 5; i++) {
+        v[i] = PyLong_AsLongLong(a[i + 1]);
+        if (v[i] == -1 && PyErr_Occurred()) return NULL;
+    }
+    int64_t local[64];
+    int64_t *out = v[1] <= 64 ? local : malloc(sizeof(int64_t) * (v[1] > 0 ? v[1] : 1));
+    if (!out) return PyErr_NoMemory();
+    PyObject *result = NULL;
+    if (kiln_argmax(tensor_data(a[0]), (int)v[0], v[1], v[2], v[3], out, (int)v[4]) != 0) {
+        result = Py_None;
+        Py_INCREF(result);
+    } else if ((result = PyList_New(v[1])) != NULL) {
+        for (int64_t r = 0; r < v[1]; r++) {
+            PyObject *item = PyLong_FromLongLong(out[r]);
+            if (!item) {
+                Py_CLEAR(result);
+                break;
+            }
+            PyList_SET_ITEM(result, r, item);
+        }
+    }
+    if (out != local) free(out);
+    return result;
+}
+
 static PyMethodDef py_methods[] = {
     {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL, "kiln_linear with tensor arguments"},
+    {"argmax", (PyCFunction)(void (*)(void))py_argmax, METH_FASTCALL, "kiln_argmax with a tensor, as a list"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef py_module = {PyModuleDef_HEAD_INIT, "kiln_linear", NULL, -1, py_methods};

@@ -163,8 +163,26 @@ class CpuLinearKernel:
         # Built with Python's headers, the library is also an extension module whose
         # ``linear`` takes the tensors themselves (-DKILN_PYTHON in cpu_linear.c).
         self._linear: Any = None
+        self._argmax: Any = None
         if hasattr(library, "PyInit_kiln_linear"):
-            self._linear = import_extension(path, "kiln_linear").linear
+            module = import_extension(path, "kiln_linear")
+            self._linear = module.linear
+            self._argmax = getattr(module, "argmax", None)
+
+    def argmax_rows(self, t: torch.Tensor) -> list[int] | None:
+        """Each row's index of its largest value, as ``t.max(dim=-1)`` picks it
+        (the first of equal ones, the first NaN), for a CPU fp32 or bf16
+        ``[rows, n]`` tensor with contiguous rows; None for anything else, or
+        a library without the extension module."""
+        if (self._argmax is None or t.dim() != 2 or t.dtype not in _ARGMAX_DTYPES or not t.is_cpu
+                or t.stride(1) != 1):
+            return None
+        return self._argmax(t, t.dtype == torch.bfloat16, t.shape[0], t.shape[1], t.stride(0),
+                            torch.get_num_threads())
+
+    def native_sites(self) -> list[tuple[object, str]]:
+        """Where ``__call__`` finds its native functions (``kiln.graphs.cpu``)."""
+        return [(self, "_linear"), (self, "_fn")]
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None,
                  offsets: torch.Tensor | None, bias: torch.Tensor | None, kind: str) -> torch.Tensor:
@@ -215,6 +233,9 @@ class CpuLinearKernel:
         return out.view(*x.shape[:-1], n)
 
 
+_ARGMAX_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr() if t is not None else None
 
@@ -228,6 +249,11 @@ def load(path: Path) -> CpuLinearKernel:
     kernel = CpuLinearKernel(path)
     _LOADED[:] = [kernel]
     return kernel
+
+
+def current() -> CpuLinearKernel | None:
+    """The library the op calls now (the one loaded last), or None."""
+    return _LOADED[0] if _LOADED else None
 
 
 def implementation(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None,

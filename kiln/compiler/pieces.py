@@ -60,6 +60,11 @@ class BucketedPiece:
         self.range: Callable[..., Any] | None = None
         self.last_bucket: int | str | None = None  # which runnable the last call used
 
+    def runnables(self) -> list[Callable[..., Any]]:
+        """Every compiled runnable of the piece."""
+        return [*self.exact.values(), *([self.few] if self.few is not None else []),
+                *([self.range] if self.range is not None else [])]
+
     def num_tokens(self, args: Sequence[Any]) -> int:
         i, dim = self.token_index
         return int(args[i]) if dim is None else int(args[i].shape[dim])

@@ -27,6 +27,7 @@ from kiln.compiler.gemv import (
 )
 from kiln.compiler.parallel import CompileJob, compile_workers, run_jobs
 from kiln.compiler.pieces import BucketedPiece, inductor_compile, token_arg
+from kiln.compiler.replay import ReplayedArtifact
 from kiln.compiler.split import Piece, SplitGraph, bind_eager_implementations, pickle_for_entry, split_graph
 from kiln.config import CompilationConfig
 from kiln.forward_context import ForwardContext, set_forward_context
@@ -119,6 +120,29 @@ class CompiledModel:
         their inputs (a CUDA graph per layer)."""
         for name in self.piece_signatures:
             self.module.__dict__[name] = wrap(name, self.module.__dict__[name])
+
+    def call_graph_refusal(self) -> str | None:
+        """Why a CPU call graph (``kiln.graphs.cpu``) could not record this
+        model's steps, or None: every runnable must be exported code, whose
+        kernels ``native_sites`` can list (an artifact fresh from Inductor, or
+        loaded through it, calls kernels that cannot be listed)."""
+        for sig, piece in self.pieces.items():
+            for fn in piece.runnables():
+                if not isinstance(fn, ReplayedArtifact):
+                    return f"piece {sig[:16]} runs {type(fn).__name__}, not exported code"
+        return None
+
+    def native_sites(self) -> list[tuple[Any, str]]:
+        """Every place a forward finds a native function, as ``kiln.graphs.cpu``
+        records a step's calls through them: the kernels of each piece's
+        exported code, and the C linear kernel (the one kiln's op calls now)
+        and decode-attention kernel."""
+        sites = [site for piece in self.pieces.values() for fn in piece.runnables()
+                 if isinstance(fn, ReplayedArtifact) for site in fn.native_sites()]
+        kernels = {id(k): k for k in (self.linear_kernel, cpu_linear.current(), self.attention_kernel) if k is not None}
+        for kernel in kernels.values():
+            sites += kernel.native_sites()
+        return sites
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         out = self.module(*self.arguments(input_ids, positions))

@@ -289,11 +289,22 @@ def _check_names(module: ast.Module) -> None:
 
 class ReplayedArtifact:
     """An exported artifact: called as its ``CompiledArtifact`` is, with the
-    same kernels, so its outputs are the same to the bit."""
+    same kernels, so its outputs are the same to the bit. ``namespace`` is the
+    one its code runs in; ``kernels`` the names there of its kernel
+    functions, which the code looks up on every call."""
 
-    def __init__(self, name: str, call: Any) -> None:
+    def __init__(self, name: str, call: Any, namespace: dict[str, Any] | None = None,
+                 kernels: tuple[str, ...] = ()) -> None:
         self.name = name
         self._call = call
+        self.namespace = namespace if namespace is not None else {}
+        self.kernels = kernels
+
+    def native_sites(self) -> list[tuple[dict[str, Any], str]]:
+        """Where its code finds each kernel function (``kiln.graphs.cpu``):
+        every native call it makes, besides those of kiln's own ops
+        (``_DIRECT_OPS``, whose kernels name their own sites)."""
+        return [(self.namespace, name) for name in self.kernels]
 
     def __call__(self, *args: Any) -> Any:
         if torch.is_grad_enabled():  # what AOTAutograd's inference wrapper does
@@ -311,16 +322,24 @@ def load(entry: Path, record: dict[str, Any], inductor_dir: Path) -> ReplayedArt
     if record.get("format") != REPLAY_FORMAT:
         raise ValueError(f"{entry}: replay format {record.get('format')!r}, this kiln reads {REPLAY_FORMAT}")
     path = entry / record["code"]
+    loaded: list[Any] = []
+
+    def kernel(rel: str) -> Any:
+        fn = _kernel(inductor_dir / rel)
+        loaded.append(fn)
+        return fn
+
     namespace: dict[str, Any] = {
         "__name__": f"kiln_replay.{path.stem}",
         "__builtins__": builtins,
         "extern_kernels": _ExternKernels(),
         "align": align,
-        KERNEL_LOADER: lambda rel: _kernel(inductor_dir / rel),
+        KERNEL_LOADER: kernel,
         **{name: fn for name, fn in _DIRECT_OPS.values()},
     }
     exec(compile(path.read_text(), str(path), "exec"), namespace)
-    return ReplayedArtifact(path.stem, namespace["call"])
+    kernels = tuple(name for name, value in namespace.items() if any(value is fn for fn in loaded))
+    return ReplayedArtifact(path.stem, namespace["call"], namespace, kernels)
 
 
 def _kernel(path: Path) -> Any:

@@ -45,7 +45,7 @@ from kiln.engine.config import (
 from kiln.engine.core import Engine
 from kiln.engine.runner import CaptureReport, ModelRunner
 from kiln.engine.scheduler import Scheduler
-from kiln.graphs import CUDAGraphDispatcher, TorchCUDAGraphs
+from kiln.graphs import CpuCallGraphs, CUDAGraphDispatcher, GraphCapturer, TorchCUDAGraphs
 from kiln.models import CausalLM, build_model, parse_dtype, parse_model_config
 from kiln.models.memory import collapse_to_huge_pages, zeroed_host_memory
 from kiln.models.quant import QUANTIZATION_MODES, packed_layers
@@ -404,22 +404,34 @@ def build_engine(config: ResolvedConfig, model: CausalLM, compiled: Any, kv_cach
 
 # ------------------------------------------------------------------ 8. CUDA graphs
 def capture_graphs(runner: ModelRunner, config: ResolvedConfig) -> tuple[CUDAGraphMode, CaptureReport]:
-    """Install and capture CUDA graphs when the resolved mode asks for them; the
-    dispatcher downgrades the mode to what the attention backend and the
-    compiled model allow. Returns the mode that runs. (A background build's
-    pieces get theirs when they are swapped in.)"""
+    """Install and capture graphs when the resolved mode asks for them: CUDA
+    graphs on a GPU, CPU call graphs on a CPU (``kiln.graphs.cpu``, which
+    need the compiled model's exported code). The dispatcher downgrades the
+    mode to what the attention backend and the compiled model allow. Returns
+    the mode that runs. (A background build's pieces get theirs when they are
+    swapped in.)"""
     requested = config.compilation.cudagraph_mode or CUDAGraphMode.NONE
     if requested is CUDAGraphMode.NONE:
         return requested, CaptureReport()
+    cpu = config.device.type == "cpu"
+    graphs: GraphCapturer = TorchCUDAGraphs()
+    if cpu:
+        compiled = runner.compiled
+        why_not = compiled.call_graph_refusal() if compiled is not None else "no compiled pieces"
+        if why_not is not None:
+            logger.info("no CPU call graphs: %s", why_not)
+            return CUDAGraphMode.NONE, CaptureReport()
+        graphs = CpuCallGraphs(compiled.native_sites)
     dispatcher = CUDAGraphDispatcher(
         requested, list(config.compilation.cudagraph_capture_sizes or []),
         support=runner.attention_backend.cudagraph_support, has_pieces=runner.compiled is not None,
-        max_num_seqs=config.max_num_seqs,
+        max_num_seqs=config.max_num_seqs, pad=not cpu,
     )
     if dispatcher.mode is CUDAGraphMode.NONE:
         return dispatcher.mode, CaptureReport()
-    runner.install_cuda_graphs(dispatcher, TorchCUDAGraphs())
-    return dispatcher.mode, runner.capture_graphs()
+    runner.install_cuda_graphs(dispatcher, graphs)
+    report = runner.capture_graphs()
+    return (dispatcher.mode if dispatcher.capture_sizes else CUDAGraphMode.NONE), report
 
 
 # ------------------------------------------------------------------ all of it

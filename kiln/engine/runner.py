@@ -23,7 +23,7 @@ from kiln.engine.input_batch import InputBatch, StepShape
 from kiln.engine.sampler import Sampler, SamplerOutput
 from kiln.engine.scheduler import SchedulerOutput
 from kiln.forward_context import BatchDescriptor, ForwardContext, set_forward_context
-from kiln.graphs import CUDAGraphDispatcher, CUDAGraphWrapper, Dispatch, GraphCapturer, capture_session
+from kiln.graphs import CUDAGraphDispatcher, CUDAGraphWrapper, Dispatch, GraphCapturer, NotCapturable, capture_session
 from kiln.models import CausalLM
 from kiln.progress import Progress
 
@@ -79,9 +79,10 @@ class ModelRunner:
         self.inputs = InputBatch(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                  max_blocks_per_seq=-(-max_model_len // block_size), block_size=block_size,
                                  device=device)
-        self.sampler = Sampler(device, seed)
+        self.sampler = Sampler(device, seed, native_argmax=_argmax_kernel(compiled))
         self.stats = RunnerStats()
         self.dispatcher: CUDAGraphDispatcher | None = None
+        self.graphs: GraphCapturer | None = None
 
     def use_compiled(self, compiled: Any) -> None:
         """Run the compiled pieces from the next step on (a background build
@@ -94,6 +95,7 @@ class ModelRunner:
         self.compute_logits = compiled.compute_logits
         self.compiled = compiled
         self.attention_backend = self.attention_backend.with_decode_kernel(_attention_kernel(compiled))
+        self.sampler.native_argmax = _argmax_kernel(compiled)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> SamplerOutput:
@@ -108,7 +110,15 @@ class ModelRunner:
         common = self.inputs.upload(shape, dispatch.num_tokens, num_reqs)  # type: ignore[arg-type]
         meta = self.attention_backend.build_metadata(common)
         t1 = time.perf_counter()
-        hidden = self._run(meta, dispatch)
+        try:
+            hidden = self._run(meta, dispatch)
+        except NotCapturable as e:
+            # A CPU call graph refused at its first step, before the work it would
+            # leave out: that size runs without one. Running the step again only
+            # rewrites the same keys and values into the same slots.
+            logger.info("no %s graph of %d tokens: %s", dispatch.mode.value, dispatch.num_tokens, e)
+            self.dispatcher.drop(dispatch.num_tokens)  # type: ignore[union-attr]
+            hidden = self._run(meta, Dispatch(CUDAGraphMode.NONE, dispatch.descriptor))
         logits = self.compute_logits(hidden[self.inputs.logits_indices.device[: shape.num_samples]])
         t2 = time.perf_counter()
         sampling = [s for s in sched.scheduled if s.sampling is not None]
@@ -163,14 +173,16 @@ class ModelRunner:
                 self.forward, CUDAGraphMode.FULL, graphs, pool, name="model", check_addresses=check_addresses
             )
         self.dispatcher = dispatcher
+        self.graphs = graphs
 
     @torch.inference_mode()
     def capture_graphs(self, progress: bool | None = None) -> CaptureReport:
         """Capture every graph of the dispatcher's plan, largest first, each after
         one plain warm-up run of the same shape (first calls compile kernels and
         allocate, which must not happen inside a capture). Every capture runs a
-        step of padding only: no KV written, none read."""
-        if self.dispatcher is None:
+        step of padding only: no KV written, none read. Graphs captured by live
+        steps (CPU call graphs) are not captured here."""
+        if self.dispatcher is None or self.graphs is None or self.graphs.captures_live_steps:
             return CaptureReport()
         plan = self.dispatcher.capture_plan()
         cuda = self.device.type == "cuda"
@@ -178,7 +190,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             free_before = torch.cuda.mem_get_info(self.device)[0]
         t0 = time.perf_counter()
-        with capture_session(), Progress(len(plan), "capturing CUDA graphs", enabled=progress) as bar:
+        with capture_session(), Progress(len(plan), "capturing graphs", enabled=progress) as bar:
             for d in plan:
                 reqs = d.descriptor.num_reqs or 1
                 empty = StepShape(0, 0, 0, 0, 0)
@@ -192,7 +204,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             memory = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
         report = CaptureReport(len(plan), round(time.perf_counter() - t0, 4), memory)
-        logger.info("captured %d CUDA graphs in %.2fs (%d MiB)", report.graphs, report.seconds, memory >> 20)
+        logger.info("captured %d graphs in %.2fs (%d MiB)", report.graphs, report.seconds, memory >> 20)
         return report
 
     @torch.inference_mode()
@@ -203,6 +215,12 @@ class ModelRunner:
         with set_forward_context(ForwardContext(attn_metadata=None, kv_caches=self.kv_caches)):
             hidden = self.forward(self.inputs.input_ids.device[:n], self.inputs.positions.device[:n])
             self.compute_logits(hidden[: self.max_num_seqs])
+
+
+def _argmax_kernel(compiled: Any) -> Any:
+    """The argmax of the C linear kernel ``compiled`` brings, for greedy steps, or None."""
+    kernel = getattr(compiled, "linear_kernel", None) if compiled is not None else None
+    return kernel.argmax_rows if kernel is not None else None
 
 
 def _attention_kernel(compiled: Any) -> Any:

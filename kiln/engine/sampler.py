@@ -9,6 +9,7 @@ preemption.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,10 +70,16 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    """``native_argmax``: a kernel's ``argmax_rows`` (``kiln.compiler.
+    cpu_linear``), which greedy steps use where it takes the logits: each
+    row's argmax as a list, or None where it does not take them."""
+
+    def __init__(self, device: torch.device, seed: int = 0,
+                 native_argmax: Callable[[torch.Tensor], list[int] | None] | None = None) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.native_argmax = native_argmax
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> SamplerOutput:
         """One token per row of ``logits`` ([R, V], any float dtype). ``steps[i]``
@@ -81,7 +88,8 @@ class Sampler:
         if all(p.greedy and p.logprobs is None for p in params):
             # the largest of bf16 values is the largest of their fp32 copies, which
             # a batch-1 bf16 decode step of the demo model made in 0.08 ms
-            return SamplerOutput(argmax_rows(logits).tolist())
+            tokens = self.native_argmax(logits) if self.native_argmax is not None else None
+            return SamplerOutput(tokens if tokens is not None else argmax_rows(logits).tolist())
         logits = logits.float()
         greedy_tokens = argmax_rows(logits)
         if all(p.greedy for p in params):

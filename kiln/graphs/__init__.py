@@ -1,7 +1,10 @@
-"""CUDA graphs: which graph a step replays (dispatcher) and the capture/replay
-wrappers around the model and its compiled pieces."""
+"""Graphs: which graph a step replays (dispatcher), the capture/replay
+wrappers around the model and its compiled pieces, and what captures them
+(CUDA graphs on a GPU, CPU call graphs on a CPU)."""
 
+from kiln.graphs.cpu import CpuCallGraphs, NotCapturable
 from kiln.graphs.dispatcher import CUDAGraphDispatcher, Dispatch
 from kiln.graphs.wrapper import CUDAGraphWrapper, GraphCapturer, TorchCUDAGraphs, capture_session
 
-__all__ = ["CUDAGraphDispatcher", "CUDAGraphWrapper", "Dispatch", "GraphCapturer", "TorchCUDAGraphs", "capture_session"]
+__all__ = ["CUDAGraphDispatcher", "CUDAGraphWrapper", "CpuCallGraphs", "Dispatch", "GraphCapturer", "NotCapturable",
+           "TorchCUDAGraphs", "capture_session"]

@@ -12,8 +12,11 @@ persistent buffers, parameters, or the outputs of an earlier captured piece) and
 the output returned on replay is the tensor captured the first time. Graphs of
 every wrapper share one memory pool.
 
-How graphs are made is behind ``GraphCapturer``: ``TorchCUDAGraphs`` on a GPU;
-tests substitute a recorder to check the bookkeeping on CPU.
+How graphs are made is behind ``GraphCapturer``: ``TorchCUDAGraphs`` on a GPU,
+``CpuCallGraphs`` (``kiln.graphs.cpu``) on a CPU; tests substitute a recorder to
+check the bookkeeping. A CUDA graph is captured at load, in a step of padding
+only; a CPU call graph at the first real step of its size
+(``captures_live_steps``), which it computes as it records.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 
 class GraphCapturer(Protocol):
+    # True: a graph is captured by the first step that needs it, not at load
+    captures_live_steps: bool
+
     def new_pool(self) -> Any:
         """A memory pool handle every graph of a runner shares."""
 
@@ -47,6 +53,8 @@ class GraphCapturer(Protocol):
 
 class TorchCUDAGraphs:
     """``torch.cuda.CUDAGraph`` capture and replay on the current stream's device."""
+
+    captures_live_steps = False
 
     def new_pool(self) -> Any:
         return torch.cuda.graph_pool_handle()
@@ -132,7 +140,7 @@ class CUDAGraphWrapper:
             return self.runnable(*args)
         entry = self.entries.get(desc)
         if entry is None:
-            if not _capturing:
+            if not (_capturing or self.graphs.captures_live_steps):
                 raise RuntimeError(
                     f"{self.name}: no {self.mode.value} CUDA graph for {desc}; graphs are captured at "
                     "load for the dispatcher's capture plan only"

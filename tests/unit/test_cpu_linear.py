@@ -264,3 +264,26 @@ def test_the_extension_call_gives_the_ctypes_call_bits(tmp_path) -> None:
         for args in ((x[:3], w.to(dtype), None, None, bias, kind), (x, words, scales, offsets, None, "q4"),
                      (x[:1], words, scales, offsets, bias, "q4-a8")):
             assert torch.equal(kernel(*args), ctypes_only(*args))
+
+
+@pytest.mark.skipif(python_headers() is None, reason="Python's headers are not installed: the library is ctypes-only")
+@pytest.mark.parametrize("build", KERNEL_BUILDS, ids=[name for name, _ in KERNEL_BUILDS])
+def test_argmax_rows_picks_what_torch_max_picks(build, tmp_path) -> None:
+    """The first of equal values, the first NaN, all -inf rows, tails past the
+    vectors, strided rows, fp32 and bf16; against ``max(dim=-1)``."""
+    _, flags = build
+    kernel = cpu_linear.CpuLinearKernel(tmp_path / cpu_linear.SOURCE.build(
+        tmp_path, (*flags, "-DKILN_PYTHON"), include_dirs=(python_headers(),)))
+    torch.manual_seed(0)
+    for n in (1, 7, 16, 33, 100, 49152):
+        x = torch.randn(6, n + 5)[:, 2:n + 2]  # strided rows
+        x[1] = x[1].round()  # ties
+        x[2, n // 2:] = float("nan")
+        x[2, n // 3] = float("nan")
+        x[3] = float("-inf")
+        x[4, -1] = 1e9  # the largest in the tail
+        x[5] = 0.5
+        for t in (x, x.to(torch.bfloat16)):
+            assert kernel.argmax_rows(t) == t.max(dim=-1).indices.tolist(), (n, t.dtype)
+    assert kernel.argmax_rows(torch.zeros(2, 4, dtype=torch.float16)) is None  # a dtype it does not take
+    assert kernel.argmax_rows(torch.zeros(4, 2).t()) is None  # values of a row not side by side

@@ -95,3 +95,23 @@ def test_greedy_rows_of_bf16_logits_take_the_fp32_argmax() -> None:
     logits[2, 10] = logits[2, 900] = logits[2].max() + 1  # a tie: the first one wins
     out = Sampler(torch.device("cpu"))(logits, [SamplingParams(temperature=0)] * 4, [0] * 4)
     assert out.tokens == logits.float().argmax(dim=-1).tolist() and out.tokens[2] == 10 and out.logprobs is None
+
+
+def test_greedy_steps_take_the_native_argmax_where_it_takes_the_logits() -> None:
+    logits = torch.randn(3, 50)
+    greedy = [SamplingParams(temperature=0)] * 3
+    seen: list[torch.Tensor] = []
+
+    def native(t: torch.Tensor) -> list[int] | None:
+        seen.append(t)
+        return [7, 8, 9] if t.dtype == torch.float32 else None
+
+    sampler = Sampler(torch.device("cpu"), native_argmax=native)
+    assert sampler(logits, greedy, [0, 0, 0]).tokens == [7, 8, 9]
+    bf16 = logits.to(torch.bfloat16)  # refused: torch's argmax
+    assert sampler(bf16, greedy, [0, 0, 0]).tokens == bf16.float().argmax(dim=-1).tolist()
+    # a row that samples, or asks for logprobs, goes the torch way
+    seen.clear()
+    mixed = [SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=0)]
+    assert sampler(logits, mixed, [0, 0, 0]).tokens == logits.argmax(dim=-1).tolist()
+    assert not seen

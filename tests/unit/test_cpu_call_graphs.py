@@ -1,0 +1,120 @@
+"""CPU call graphs (kiln.graphs.cpu): a capture records the calls made through
+the given sites and refuses torch work it would leave out; a replay makes the
+same calls again, so it computes from whatever the captured buffers hold now.
+
+The "native" functions here are numpy ufuncs over views of the tensors: like
+kiln's C kernels, they compute without going through torch's dispatcher."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.config import CompilationConfig, CUDAGraphMode, CUDAGraphSupport
+from kiln.graphs import CpuCallGraphs, CUDAGraphDispatcher, NotCapturable
+from kiln.graphs.cpu import ReplayError
+
+
+class Kernels:
+    """Two native functions reached through an object and a namespace, as
+    kiln's kernel objects and exported code reach theirs."""
+
+    def __init__(self) -> None:
+        self.add = lambda out, a, b: np.add(a, b, out=out)  # returns the output array
+        self.namespace = {"scale": lambda out, a, k: np.multiply(a, k, out=out) is out and 0}
+
+    def sites(self) -> list[tuple[object, str]]:
+        return [(self, "add"), (self.namespace, "scale")]
+
+
+def step(kernels: Kernels, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A "forward": an allocation, a view, two native calls."""
+    tmp = torch.empty(4)
+    out = torch.empty(4)
+    kernels.add(tmp.numpy(), x.numpy(), y[:4].numpy())
+    kernels.namespace["scale"](out.numpy(), tmp.numpy(), 3.0)
+    return out
+
+
+def test_a_replay_recomputes_from_the_captured_inputs() -> None:
+    kernels = Kernels()
+    x, y = torch.ones(4), torch.arange(8.0)
+    graphs = CpuCallGraphs(kernels.sites)
+    graph, out = graphs.capture(lambda: step(kernels, x, y), None)
+    assert torch.equal(out, (x + y[:4]) * 3)
+    assert len(graph.calls) == 2
+    # the sites hold the functions again, not the recorders
+    assert kernels.sites() and kernels.namespace["scale"].__name__ == "<lambda>"
+    x.fill_(10.0)
+    y.copy_(torch.arange(8.0) * 2)
+    graphs.replay(graph)
+    assert torch.equal(out, (10 + torch.arange(4.0) * 2) * 3)
+
+
+def test_torch_work_during_a_capture_is_refused_and_the_sites_restored() -> None:
+    kernels = Kernels()
+    before = dict(kernels.namespace)
+    x, y = torch.ones(4), torch.zeros(8)
+
+    def with_torch_work() -> torch.Tensor:
+        out = step(kernels, x, y)
+        return out.add_(1)  # computed by torch: a replay would leave it out
+
+    with pytest.raises(NotCapturable, match="aten::add_"):
+        CpuCallGraphs(kernels.sites).capture(with_torch_work, None)
+    assert kernels.namespace == before
+    assert kernels.add.__name__ == "<lambda>"
+
+
+@pytest.mark.parametrize("inference", [True, False])
+def test_a_view_that_copies_is_refused(inference: bool) -> None:
+    """``reshape`` of a non-contiguous tensor copies. Under inference mode (as
+    the runner steps) the dispatch mode sees ``reshape`` itself, otherwise the
+    ``clone`` it decomposes into: refused either way."""
+    kernels = Kernels()
+    t = torch.ones(4, 4).t()
+
+    def copying_view() -> torch.Tensor:
+        kernels.add(np.empty(4, dtype=np.float32), np.ones(4, dtype=np.float32), np.ones(4, dtype=np.float32))
+        return t.reshape(16)
+
+    with torch.inference_mode(inference), pytest.raises(NotCapturable, match="copied|aten::clone"):
+        CpuCallGraphs(kernels.sites).capture(copying_view, None)
+
+
+def test_a_capture_with_no_native_call_is_refused() -> None:
+    with pytest.raises(NotCapturable, match="no native call"):
+        CpuCallGraphs(lambda: []).capture(lambda: torch.empty(2), None)
+
+
+def test_a_replayed_call_that_returns_otherwise_raises() -> None:
+    codes = iter([0, 3])
+    holder = {"kernel": lambda: next(codes)}
+    graphs = CpuCallGraphs(lambda: [(holder, "kernel")])
+    graph, _ = graphs.capture(lambda: holder["kernel"](), None)
+    with pytest.raises(ReplayError, match="returned 3 on replay, 0 at capture"):
+        graphs.replay(graph)
+
+
+def test_the_dispatcher_without_padding_uses_only_a_steps_own_size() -> None:
+    d = CUDAGraphDispatcher(CUDAGraphMode.FULL_DECODE_ONLY, [1, 2, 4], support=CUDAGraphSupport.UNIFORM_DECODE,
+                            has_pieces=True, max_num_seqs=8, pad=False)
+    assert d.dispatch(2, 2, True).mode is CUDAGraphMode.FULL
+    assert d.dispatch(3, 3, True).mode is CUDAGraphMode.NONE  # no graph of 3; 4 is not used
+    assert d.dispatch(2, 1, False).mode is CUDAGraphMode.NONE  # not a uniform decode step
+    d.drop(2)
+    assert d.dispatch(2, 2, True).mode is CUDAGraphMode.NONE
+    assert d.capture_sizes == [1, 4]
+
+
+@pytest.mark.parametrize(("level", "mode", "expected"), [
+    (2, None, CUDAGraphMode.FULL_DECODE_ONLY), (3, None, CUDAGraphMode.FULL_DECODE_ONLY),
+    (1, None, CUDAGraphMode.NONE), (0, None, CUDAGraphMode.NONE),
+    (2, "FULL", CUDAGraphMode.FULL_DECODE_ONLY), (2, "PIECEWISE", CUDAGraphMode.NONE), (2, "NONE", CUDAGraphMode.NONE),
+])
+def test_graph_modes_on_cpu_are_whole_decode_steps(level: int, mode: str | None, expected: CUDAGraphMode) -> None:
+    resolved = CompilationConfig(level=level, cudagraph_mode=mode).resolve(
+        device_type="cpu", max_num_seqs=6, max_num_batched_tokens=64)
+    assert resolved.cudagraph_mode is expected
+    assert resolved.cudagraph_capture_sizes == (1, 2, 3, 4, 5, 6)  # every decode size, up to max_num_seqs
