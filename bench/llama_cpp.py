@@ -9,6 +9,7 @@ baseline, not a dependency: for example the ``vendor/llama.cpp`` of PyPI's
 
     python -m bench.llama_cpp --llama-cpp path/to/llama.cpp/build
     python -m bench.llama_cpp --llama-cpp BUILD --precisions f32,q4_1 --repeats 5
+    python -m bench.llama_cpp --llama-cpp BUILD --precisions f32,q8_0,q8_0-a8,q4_1,q4_1-a8
 
 The model is the demo file (``kiln fetch-demo``: SmolLM2-135M-Instruct,
 linears in Q4_1, embedding in Q8_0) unless ``--model`` names another GGUF.
@@ -17,7 +18,9 @@ temporary directory: the same dequantized weights in both systems, and each
 system reads the very file the other one does. Per precision, kiln loads that
 file at ``--level`` (``dtype`` float32 or bfloat16; the Q4_1 file with
 ``quantization="gguf"``, its blocks kept packed, and as ``q4_1-a8`` with
-``"gguf-a8"``, its activations also rounded to int8 as llama.cpp's are).
+``"gguf-a8"``, its activations also rounded to int8 as llama.cpp's are; the
+Q8_0 copy, ``llama-quantize``'s too, the same two ways). With ``f32`` among
+the precisions, each kiln figure is also given against kiln's own fp32.
 
 The engines take turns (``bench.common.harness.run_engines``), one run each per
 round. A llama.cpp run is one ``llama-bench -p 512 -n 128 -r 1`` process (its own
@@ -62,6 +65,8 @@ PRECISIONS: dict[str, tuple[str | None, str, str | None]] = {
     "bf16": ("BF16", "bfloat16", None),
     "q4_1": (None, "float32", "gguf"),
     "q4_1-a8": (None, "float32", "gguf-a8"),  # kiln rounding the activations to int8, as llama.cpp does
+    "q8_0": ("Q8_0", "float32", "gguf"),  # requantized by llama-quantize; kiln keeps its blocks packed
+    "q8_0-a8": ("Q8_0", "float32", "gguf-a8"),
 }
 
 
@@ -100,6 +105,9 @@ def model_files(args: argparse.Namespace, workdir: Path) -> dict[str, Path]:
             files[precision] = args.model_path
             continue
         out = workdir / f"{args.model_path.stem}.{target}.gguf"
+        if out.exists():  # a precision sharing its file with another (q8_0, q8_0-a8)
+            files[precision] = out
+            continue
         cmd = [str(llama_tool(args.llama_cpp, "llama-quantize")), "--allow-requantize", str(args.model_path), str(out),
                target, str(args.threads)]
         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -174,6 +182,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             a, b = kiln.get(key), llama.get(key)
             row[f"{key.removesuffix('_tokens_per_s')}_kiln_vs_llama_cpp"] = round(a / b, 3) if a and b else None
         rows[precision] = row
+    dense = rows.get("f32", {}).get("kiln", {}).get("decode_tokens_per_s")
+    for row in rows.values():
+        rate = row["kiln"].get("decode_tokens_per_s")
+        row["decode_kiln_vs_kiln_f32"] = round(rate / dense, 3) if rate and dense else None
     return {**record.head(torch_threads=args.threads),
             "model": {"file": args.model_path.name, "tokenizer_vocab": len(tokenizer)},
             "settings": {"level": args.level, "repeats": args.repeats, "threads": args.threads,
@@ -193,7 +205,7 @@ def render(report: dict[str, Any]) -> str:
 
         rows.append([precision, fmt(r["file_bytes"] / 1e6, 1),
                      fmt(llama.get("decode_tokens_per_s"), 1), fmt(kiln.get("decode_tokens_per_s"), 1),
-                     fmt(r["decode_kiln_vs_llama_cpp"], 2, "x"),
+                     fmt(r["decode_kiln_vs_llama_cpp"], 2, "x"), fmt(r.get("decode_kiln_vs_kiln_f32"), 2, "x"),
                      f"{share(llama.get('decode_tokens_per_s'))} / {share(kiln.get('decode_tokens_per_s'))}",
                      fmt(llama.get("prefill_tokens_per_s"), 1), fmt(kiln.get("prefill_tokens_per_s"), 1),
                      fmt(r["prefill_kiln_vs_llama_cpp"], 2, "x"),
@@ -204,7 +216,7 @@ def render(report: dict[str, Any]) -> str:
         f"{m['gb_per_s']} GB/s",
         "",
         markdown_table(["precision", "file MB", "llama.cpp tg128", "kiln decode", "kiln / llama.cpp",
-                        "of the bandwidth limit (llama.cpp / kiln)", "llama.cpp pp512", "kiln prefill 512",
+                        "kiln / kiln f32", "of the bandwidth limit (llama.cpp / kiln)", "llama.cpp pp512", "kiln prefill 512",
                         "kiln / llama.cpp", "error"], rows),
     ])
 
