@@ -4,9 +4,10 @@ A CPU decode step of a compiled model is a chain of native calls (Inductor's C++
 kernels, kiln's C linear and decode-attention kernels) held together by Python:
 the split graph's forward, each piece's output code with its buffer
 allocations, the attention backend's checks and argument conversion. At one
-token of the 135M shape that Python is about 3.5 ms of an 11 ms bf16 step
-(the weights streamed through the caches evict the interpreter's data between
-calls), against 7.8 ms in the linears themselves.
+token of the 135M shape in bf16, 121 linear calls took 7.8 ms of an 11 ms step
+and everything else 3-4 ms; the same Python took 1.6 ms with the linears cut
+to one output column: the weights streamed through the caches evict the
+interpreter's data between calls (scratch timings).
 
 What a CUDA graph does for kernel launches this does for that Python: the
 first run of a batch shape (the capture) records every native call with its
@@ -14,8 +15,10 @@ arguments; a replay makes the same calls with the same arguments, the buffers
 of the capture standing in as fixed intermediate memory. Inputs that change per
 step sit at fixed addresses (the runner's persistent input buffers; the decode
 kernel's per-step arguments in one structure the attention backend rewrites
-each step), so a replay computes the new step. In one scratch A/B, the demo
-model in bf16 at one request: 11.0 -> 7.5 ms a step, the same tokens.
+each step), so a replay computes the new step. The demo model in bf16 at one
+request, one process taking turns with and without: the forward 8.6-9.4 ->
+7.5-8.7 ms, the same tokens; against llama.cpp, bf16 decode went from 0.88x to
+1.07x (bench/results/llama-cpp-cpu-20261203-210234.json).
 
 A call is recorded only where it goes through a *site*: an attribute or a
 namespace entry holding a native function, which ``capture`` swaps for a
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -125,15 +129,18 @@ def _set(holder: Any, name: str, value: Any) -> None:
 @contextlib.contextmanager
 def _recording(sites: Sequence[NativeSite], calls: list[tuple[Callable[..., Any], tuple[Any, ...], Any]],
                ) -> Iterator[None]:
-    """Every site's function swapped for one that also appends its calls to
-    ``calls``; put back on exit. A function reachable from several sites is
-    recorded once per call."""
+    """Every site's function swapped for one that also appends the calls this
+    thread makes to ``calls``; put back on exit. The sites are shared (the C
+    linear kernel the op calls is one per process), so another engine's
+    thread may call them meanwhile: its calls are not recorded."""
     saved: list[tuple[Any, str, Any]] = []
+    thread = threading.get_ident()
 
     def recorder(fn: Callable[..., Any]) -> Callable[..., Any]:
         def record(*args: Any) -> Any:
             result = fn(*args)
-            calls.append((fn, args, result if isinstance(result, int) else None))
+            if threading.get_ident() == thread:
+                calls.append((fn, args, result if isinstance(result, int) else None))
             return result
         return record
 

@@ -118,3 +118,21 @@ def test_graph_modes_on_cpu_are_whole_decode_steps(level: int, mode: str | None,
         device_type="cpu", max_num_seqs=6, max_num_batched_tokens=64)
     assert resolved.cudagraph_mode is expected
     assert resolved.cudagraph_capture_sizes == (1, 2, 3, 4, 5, 6)  # every decode size, up to max_num_seqs
+
+
+def test_calls_from_another_thread_are_not_recorded() -> None:
+    """Another engine's thread may call a shared kernel while a capture runs."""
+    import threading
+
+    calls = []
+    holder = {"kernel": lambda tag: calls.append(tag) or 0}
+
+    def step() -> None:
+        holder["kernel"]("mine")
+        other = threading.Thread(target=lambda: holder["kernel"]("theirs"))
+        other.start()
+        other.join()
+
+    graph, _ = CpuCallGraphs(lambda: [(holder, "kernel")]).capture(step, None)
+    assert calls == ["mine", "theirs"]
+    assert [args for _, args, _ in graph.calls] == [("mine",)]
