@@ -918,25 +918,33 @@ static void *(*tensor_data)(PyObject *);
 
 static const void *data_or_null(PyObject *t) { return t == Py_None ? NULL : tensor_data(t); }
 
+/* 0 when ``name`` got ``want`` arguments, else -1 with Python's error set. */
+static int arity(const char *name, Py_ssize_t got, Py_ssize_t want) {
+    if (got == want) return 0;
+    PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, want, got);
+    return -1;
+}
+
+/* The integers at positions ``at[0..n)`` of ``a`` into ``v``: 0, else -1 with
+ * Python's error set. */
+static int ints_at(PyObject *const *a, const int *at, int n, int64_t *v) {
+    for (int i = 0; i < n; i++) {
+        v[i] = PyLong_AsLongLong(a[at[i]]);
+        if (v[i] == -1 && PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
 /* linear(kind, x, x_bf16, x_stride, m, w, scales, offsets, n, k, bias, out, out_bf16, out_stride, threads)
  * -> kiln_linear's return code; tensors or None where kiln_linear takes NULL. */
 static PyObject *py_linear(PyObject *self, PyObject *const *a, Py_ssize_t n_args) {
     (void)self;
-    if (n_args != 15) {
-        PyErr_Format(PyExc_TypeError, "linear() takes 15 arguments (%zd given)", n_args);
-        return NULL;
-    }
-    int64_t v[8];
-    const int ints[8] = {0, 2, 3, 4, 8, 9, 12, 13};
-    for (int i = 0; i < 8; i++) {
-        v[i] = PyLong_AsLongLong(a[ints[i]]);
-        if (v[i] == -1 && PyErr_Occurred()) return NULL;
-    }
-    long threads = PyLong_AsLong(a[14]);
-    if (threads == -1 && PyErr_Occurred()) return NULL;
+    int64_t v[9];
+    const int at[9] = {0, 2, 3, 4, 8, 9, 12, 13, 14};
+    if (arity("linear", n_args, 15) || ints_at(a, at, 9, v)) return NULL;
     int rc = kiln_linear((int)v[0], tensor_data(a[1]), (int)v[1], v[2], v[3], tensor_data(a[5]),
                          data_or_null(a[6]), data_or_null(a[7]), v[4], v[5], data_or_null(a[10]),
-                         tensor_data(a[11]), (int)v[6], v[7], (int)threads);
+                         tensor_data(a[11]), (int)v[6], v[7], (int)v[8]);
     return PyLong_FromLong(rc);
 }
 
@@ -944,15 +952,9 @@ static PyObject *py_linear(PyObject *self, PyObject *const *a, Py_ssize_t n_args
  * where kiln_argmax refuses the sizes. */
 static PyObject *py_argmax(PyObject *self, PyObject *const *a, Py_ssize_t n_args) {
     (void)self;
-    if (n_args != 6) {
-        PyErr_Format(PyExc_TypeError, "argmax() takes 6 arguments (%zd given)", n_args);
-        return NULL;
-    }
     int64_t v[5];
-    for (int i = 0; i < 5; i++) {
-        v[i] = PyLong_AsLongLong(a[i + 1]);
-        if (v[i] == -1 && PyErr_Occurred()) return NULL;
-    }
+    const int at[5] = {1, 2, 3, 4, 5};
+    if (arity("argmax", n_args, 6) || ints_at(a, at, 5, v)) return NULL;
     int64_t local[64];
     int64_t *out = v[1] <= 64 ? local : malloc(sizeof(int64_t) * (v[1] > 0 ? v[1] : 1));
     if (!out) return PyErr_NoMemory();

@@ -414,14 +414,13 @@ def capture_graphs(runner: ModelRunner, config: ResolvedConfig) -> tuple[CUDAGra
     if requested is CUDAGraphMode.NONE:
         return requested, CaptureReport()
     cpu = config.device.type == "cpu"
-    graphs: GraphCapturer = TorchCUDAGraphs()
+    compiled = runner.compiled
     if cpu:
-        compiled = runner.compiled
         why_not = compiled.call_graph_refusal() if compiled is not None else "no compiled pieces"
         if why_not is not None:
             logger.info("no CPU call graphs: %s", why_not)
             return CUDAGraphMode.NONE, CaptureReport()
-        graphs = CpuCallGraphs(compiled.native_sites)
+    graphs: GraphCapturer = CpuCallGraphs(compiled.native_sites) if cpu else TorchCUDAGraphs()
     dispatcher = CUDAGraphDispatcher(
         requested, list(config.compilation.cudagraph_capture_sizes or []),
         support=runner.attention_backend.cudagraph_support, has_pieces=runner.compiled is not None,
