@@ -10,6 +10,7 @@ bundles, so a warm start loads it with ``ctypes`` and runs no compiler.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.util
 import os
@@ -20,8 +21,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
-__all__ = ["FLAGS", "SUBDIR", "KernelBuildError", "NativeSource", "import_extension", "python_headers"]
+__all__ = ["FLAGS", "SUBDIR", "KernelBuildError", "NativeSource", "c_function", "import_extension", "python_headers",
+           "register_c_function"]
 
 # a call to an undeclared function is an error, not an undefined symbol found at load time
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-Werror=implicit-function-declaration")
@@ -105,6 +108,31 @@ def import_extension(path: Path, name: str) -> ModuleType:
 
 
 _EXTENSIONS: dict[Path, ModuleType] = {}
+
+
+def register_c_function(fn: Any, symbol: Any) -> None:
+    """Record that ``fn``, a function of an extension module, calls the C
+    function ``symbol`` (a ctypes function of the same library) with the same
+    arguments, each tensor as its data address and None as NULL. A CPU call
+    graph (``kiln.graphs.cpu``) then makes its calls from C."""
+    _C_FUNCTIONS[id(fn)] = (fn, ctypes.cast(symbol, ctypes.c_void_p).value)
+
+
+def c_function(fn: Any) -> int | None:
+    """The address of the C function ``fn`` calls with integer arguments alone
+    (addresses, sizes, flags): a ctypes function whose declared arguments are
+    all integers or pointers, or an extension function registered with
+    ``register_c_function``. None for anything else."""
+    if isinstance(fn, ctypes._CFuncPtr):
+        if fn.argtypes is None or any(t in _FLOATS for t in fn.argtypes):
+            return None
+        return ctypes.cast(fn, ctypes.c_void_p).value
+    entry = _C_FUNCTIONS.get(id(fn))
+    return entry[1] if entry is not None and entry[0] is fn else None
+
+
+_C_FUNCTIONS: dict[int, tuple[Any, int | None]] = {}  # id(fn) -> (fn, its C function's address)
+_FLOATS = (ctypes.c_float, ctypes.c_double, ctypes.c_longdouble)
 
 
 def _compiler(what: str) -> str:

@@ -27,7 +27,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 def test_cpu_call_graphs_generate_the_eager_tokens(llama_checkpoint) -> None:
     """-O2 on CPU: a uniform decode step of each size is captured by its first
-    step (kiln.graphs.cpu) and replayed after; tokens equal transformers'."""
+    step (kiln.graphs.cpu) and replayed after, from C; tokens equal transformers'."""
     path, model = llama_checkpoint
     prompts = random_prompts(4, [4, 9, 15, 6], model.config.vocab_size, seed=7)
     expected = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
@@ -43,6 +43,8 @@ def test_cpu_call_graphs_generate_the_eager_tokens(llama_checkpoint) -> None:
         assert rt.generate([prompt], GREEDY)[0].token_ids == tokens
     assert 1 in {d.num_tokens for d in wrapper.entries}
     assert wrapper.replays >= replays + len(prompts) * (GREEDY.max_tokens - 2)
+    # made from C (the C linear kernel's loop): every call a C function of integers
+    assert all(entry.graph.native is not None for entry in wrapper.entries.values())
     eager = load_eager(path, device="cpu")
     assert [o.token_ids for o in eager.generate(prompts, GREEDY)] == expected
 

@@ -33,6 +33,8 @@ keep the torch path.
 from __future__ import annotations
 
 import ctypes
+import functools
+import struct
 from pathlib import Path
 
 import torch
@@ -92,7 +94,8 @@ class DecodeStep:
         else:
             (args.rows, args.block_table, args.bt_stride, args.seq_lens, args.B, args.slots, args.n,
              args.threads) = fields
-        self.args = ctypes.byref(args)
+        self.structure = args
+        self.args = ctypes.addressof(args)  # an integer, as a call graph's replay from C passes it
 
 
 class PagedDecodeKernel:
@@ -103,7 +106,9 @@ class PagedDecodeKernel:
         lib = ctypes.CDLL(str(path))
         p, i = ctypes.c_void_p, ctypes.c_int64
         fn = lib.kiln_decode_layer
-        fn.argtypes = [p, p, i, p, i, p, i, p, i, p, i, i, i, i, i, ctypes.c_float, i, i]
+        # every argument an integer (the scale as its float's bits), so that a CPU
+        # call graph can make the call from C (kiln.graphs.cpu)
+        fn.argtypes = [p, p, i, p, i, p, i, p, i, p, i, i, i, i, i, ctypes.c_int32, i, i]
         fn.restype = ctypes.c_int
         self._layer = fn
 
@@ -138,7 +143,7 @@ class PagedDecodeKernel:
         num_slots = blocks * block_size
         rc = self._layer(step.args, query.data_ptr(), qs[0], key.data_ptr(), ks[0], value.data_ptr(), vs[0],
                          kv_cache.data_ptr(), num_slots, out.data_ptr(), os[0], query.shape[1], num_kv_heads,
-                         head_dim, block_size, scale, sliding_window, bf16)
+                         head_dim, block_size, _float_bits(scale), sliding_window, bf16)
         if rc == -1:
             raise IndexError(f"a KV-cache slot of {step.slots[:step.num_tokens].tolist()} is outside the "
                              f"cache's {num_slots} slots")
@@ -146,3 +151,9 @@ class PagedDecodeKernel:
 
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's dtypes, as its bf16 flag
+
+
+@functools.lru_cache(maxsize=64)
+def _float_bits(value: float) -> int:
+    """The bits of ``value`` as an fp32, as a signed 32-bit integer."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]

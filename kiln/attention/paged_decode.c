@@ -518,9 +518,11 @@ typedef struct {
  * takes the layer). */
 int kiln_decode_layer(const kiln_step *st, const void *query, int64_t q_stride, const void *key, int64_t k_stride,
                       const void *value, int64_t v_stride, void *cache, int64_t num_slots, void *out,
-                      int64_t out_stride, int64_t H, int64_t KV, int64_t D, int64_t bs, float scale, int64_t window,
-                      int64_t bf16)
+                      int64_t out_stride, int64_t H, int64_t KV, int64_t D, int64_t bs, int32_t scale_bits,
+                      int64_t window, int64_t bf16)
 {
+    float scale;  /* passed as its bits: every argument an integer (kiln.graphs.cpu replays the call from C) */
+    memcpy(&scale, &scale_bits, sizeof scale);
     const int64_t group = KV > 0 ? H / KV : 0;
     if (group < 1 || group * KV != H || group > KILN_MAX_HEADS || D > KILN_MAX_DIM || bs > KILN_MAX_BLOCK) return -2;
     const int64_t esize = bf16 ? 2 : 4;

@@ -924,6 +924,54 @@ const char *kiln_linear_isa(void) {
     return KILN_DPBF16 ? "avx512-bf16" : KILN_AVX512 ? "avx512" : "avx2";
 }
 
+/* ------------------------------------------------------------------ replay
+ * The calls of a CPU call graph (kiln.graphs.cpu) made from C: one ctypes
+ * call a step, where a Python loop made each of a decode step's 271 calls
+ * (Inductor's kernels, this file's linears, the decode-attention kernel) and
+ * each call turned its tensors back into addresses.
+ *
+ * Every argument is an integer (an address, a size, a flag), and every
+ * function is called through one prototype of KILN_REPLAY_ARGS integers. On
+ * x86-64 (System V), the only target this file builds for, the first six
+ * integer arguments travel in registers and the rest on the caller's stack,
+ * which the caller clears: a function with fewer parameters reads its own and
+ * leaves the others. kiln.graphs.cpu replays from Python a graph with any
+ * other argument (a float) or with more arguments than this takes. */
+#if !defined(__x86_64__)
+#error "kiln_replay calls through the x86-64 System V convention"
+#endif
+#define KILN_REPLAY_ARGS 32
+typedef struct {
+    const void *fn;
+    int64_t check;     /* 1: the call returns an int, which must equal ``expected`` */
+    int64_t expected;
+    int64_t args[KILN_REPLAY_ARGS];
+} kiln_replay_call;
+
+#define I8 int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t
+typedef int (*kiln_replay_fn)(I8, I8, I8, I8);  /* KILN_REPLAY_ARGS integers */
+#undef I8
+
+/* Makes the ``n`` calls in order. Returns -1 when each returned what it
+ * should, else the index of the first that did not, with what it returned in
+ * ``*got`` (the calls after it are not made). */
+int64_t kiln_replay(const kiln_replay_call *calls, int64_t n, int64_t *got) {
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t *a = calls[i].args;
+#define A8(j) a[j], a[j + 1], a[j + 2], a[j + 3], a[j + 4], a[j + 5], a[j + 6], a[j + 7]
+        const int r = ((kiln_replay_fn)calls[i].fn)(A8(0), A8(8), A8(16), A8(24));
+#undef A8
+        if (calls[i].check && r != calls[i].expected) {
+            *got = r;
+            return i;
+        }
+    }
+    return -1;
+}
+
+/* The most arguments a replayed call may have, for kiln to check before. */
+int kiln_replay_args(void) { return KILN_REPLAY_ARGS; }
+
 #ifdef KILN_PYTHON
 /* The same entry point as a Python extension module (built with -DKILN_PYTHON
  * where Python's headers are installed), called with tensors instead of

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from kiln.models.quant import QuantizedLinear
-from kiln.native import KernelBuildError, NativeSource, import_extension, python_headers
+from kiln.native import KernelBuildError, NativeSource, import_extension, python_headers, register_c_function
 
 __all__ = ["DENSE_KINDS", "MAX_ROWS", "PACKED_KINDS", "CpuLinearKernel", "KernelBuildError", "LinearPolicy", "SOURCE",
            "build", "cpu_linear", "dense_kind", "implementation", "load", "model_kinds"]
@@ -168,6 +168,17 @@ class CpuLinearKernel:
             module = import_extension(path, "kiln_linear")
             self._linear = module.linear
             self._argmax = getattr(module, "argmax", None)
+            register_c_function(self._linear, fn)  # ``linear`` passes its arguments on to kiln_linear in order
+        # kiln_replay: a CPU call graph's calls made from C (kiln.graphs.cpu);
+        # None in a library built before it was there
+        self.replay_loop: Any = None
+        self.replay_args = 0  # the most integer arguments a replayed call may have
+        if hasattr(library, "kiln_replay"):
+            loop = library.kiln_replay
+            loop.argtypes = [p, i64, ctypes.POINTER(i64)]
+            loop.restype = i64
+            self.replay_loop = loop
+            self.replay_args = library.kiln_replay_args()
 
     def argmax_rows(self, t: torch.Tensor) -> list[int] | None:
         """Each row's index of its largest value, as ``t.max(dim=-1)`` picks it

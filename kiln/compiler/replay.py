@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import ctypes
 import logging
 import pickle
 import tempfile
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 
 from kiln.compiler import cpu_linear, onednn
-from kiln.native import import_extension
+from kiln.native import import_extension, register_c_function
 
 __all__ = ["NotReplayable", "ReplayedArtifact", "artifacts", "covers", "export", "load"]
 
@@ -346,4 +347,8 @@ def _kernel(path: Path) -> Any:
     """The ``kernel`` function of one of Inductor's CPU kernel libraries, imported
     as Inductor imports it (the library finds torch's tensor-pointer helper
     through an environment variable)."""
-    return import_extension(path, "kernel").kernel
+    fn = import_extension(path, "kernel").kernel
+    # the module's ``kernel`` parses its arguments and calls the C function
+    # ``kernel`` with them in order, tensors as their data addresses
+    register_c_function(fn, ctypes.CDLL(str(path)).kernel)
+    return fn

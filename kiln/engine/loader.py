@@ -45,7 +45,7 @@ from kiln.engine.config import (
 from kiln.engine.core import Engine
 from kiln.engine.runner import CaptureReport, ModelRunner
 from kiln.engine.scheduler import Scheduler
-from kiln.graphs import CpuCallGraphs, CUDAGraphDispatcher, GraphCapturer, TorchCUDAGraphs
+from kiln.graphs import CpuCallGraphs, CUDAGraphDispatcher, GraphCapturer, NativeReplay, TorchCUDAGraphs
 from kiln.models import CausalLM, build_model, parse_dtype, parse_model_config
 from kiln.models.memory import collapse_to_huge_pages, zeroed_host_memory
 from kiln.models.quant import QUANTIZATION_MODES, packed_layers
@@ -420,7 +420,8 @@ def capture_graphs(runner: ModelRunner, config: ResolvedConfig) -> tuple[CUDAGra
         if why_not is not None:
             logger.info("no CPU call graphs: %s", why_not)
             return CUDAGraphMode.NONE, CaptureReport()
-    graphs: GraphCapturer = CpuCallGraphs(compiled.native_sites) if cpu else TorchCUDAGraphs()
+    graphs: GraphCapturer = (CpuCallGraphs(compiled.native_sites, _native_replay(compiled)) if cpu
+                             else TorchCUDAGraphs())
     dispatcher = CUDAGraphDispatcher(
         requested, list(config.compilation.cudagraph_capture_sizes or []),
         support=runner.attention_backend.cudagraph_support, has_pieces=runner.compiled is not None,
@@ -431,6 +432,15 @@ def capture_graphs(runner: ModelRunner, config: ResolvedConfig) -> tuple[CUDAGra
     runner.install_cuda_graphs(dispatcher, graphs)
     report = runner.capture_graphs()
     return (dispatcher.mode if dispatcher.capture_sizes else CUDAGraphMode.NONE), report
+
+
+def _native_replay(compiled: Any) -> NativeReplay | None:
+    """The C loop a CPU call graph's replay runs in: the C linear kernel's
+    (``kiln_replay``), when the compiled model has one built with it."""
+    kernel = getattr(compiled, "linear_kernel", None)
+    if kernel is None or kernel.replay_loop is None:
+        return None
+    return NativeReplay(kernel.replay_loop, kernel.replay_args)
 
 
 # ------------------------------------------------------------------ all of it

@@ -28,11 +28,20 @@ out of the replay, so the capture runs under a dispatch mode that refuses
 every torch operator but allocations and views (``NotCapturable``): a compiled
 model whose step does any other work at that shape is not captured there, and
 keeps running uncaptured.
+
+A replay makes its calls from C where it can (``NativeReplay``, the loop
+``kiln_replay`` of the C linear kernel's library): each recorded function is
+then a C function known by its address (``kiln.native.c_function``) and each
+argument an integer, tensors as their data addresses, which the capture fixed.
+The demo model's decode step is 271 calls; one process taking turns between
+the two loops, the same tokens (scratch A/B, 2 cores of an AMD EPYC): Q8_0
+3.81 -> 3.55 ms a step, bf16 5.92 -> 5.68 ms.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import threading
 import time
@@ -43,7 +52,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CallGraph", "CpuCallGraphs", "NativeSite", "NotCapturable", "ReplayError"]
+from kiln.native import c_function
+
+__all__ = ["CallGraph", "CpuCallGraphs", "NativeReplay", "NativeSite", "NotCapturable", "ReplayError"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +86,7 @@ class CallGraph:
 
     calls: tuple[tuple[Callable[..., Any], tuple[Any, ...], Any], ...]
     kept: list[torch.Tensor] = field(default_factory=list)
+    native: Any = None  # the calls as ``NativeReplay.prepare`` made them, or None: replayed from Python
 
 
 class _OnlyAllocations(TorchDispatchMode):
@@ -157,6 +169,63 @@ def _recording(sites: Sequence[NativeSite], calls: list[tuple[Callable[..., Any]
             _set(holder, name, fn)
 
 
+class NativeReplay:
+    """A graph's calls made from C by ``loop`` (``kiln_replay`` in
+    kiln/compiler/cpu_linear.c, a ctypes function): an array of (C function,
+    return check, ``max_args`` integer arguments) structures, run in one call."""
+
+    def __init__(self, loop: Callable[..., int], max_args: int) -> None:
+        self.loop = loop
+        self.max_args = max_args
+
+        class Call(ctypes.Structure):
+            _fields_ = [("fn", ctypes.c_void_p), ("check", ctypes.c_int64), ("expected", ctypes.c_int64),
+                        ("args", ctypes.c_int64 * max_args)]
+
+        self._call = Call
+
+    def prepare(self, calls: Sequence[tuple[Callable[..., Any], tuple[Any, ...], Any]]) -> Any:
+        """The calls as the loop takes them; a string saying why not where one
+        of them is not a C function of integer arguments (a float, an object,
+        more than ``max_args``)."""
+        array = (self._call * len(calls))()
+        for i, (fn, args, expected) in enumerate(calls):
+            address = c_function(fn)
+            name = getattr(fn, "__name__", repr(fn))
+            if address is None:
+                return f"{name} is not a known C function"
+            if len(args) > self.max_args:
+                return f"{name} takes {len(args)} arguments, more than the native loop's {self.max_args}"
+            values = [_integer(a) for a in args]
+            if None in values:
+                return f"an argument of {name} is not an integer, an address or None: {args!r}"
+            array[i].fn = address
+            array[i].check = expected is not None
+            array[i].expected = expected or 0
+            array[i].args[:len(values)] = values
+        return array
+
+    def run(self, graph: CallGraph) -> None:
+        got = ctypes.c_int64()
+        index = self.loop(graph.native, len(graph.calls), ctypes.byref(got))
+        if index != -1:
+            fn, _, expected = graph.calls[index]
+            raise ReplayError(f"{getattr(fn, '__name__', fn)} returned {got.value!r} on replay, {expected!r} "
+                              "at capture: this step's arguments are outside what it took then")
+
+
+def _integer(value: Any) -> int | None:
+    """``value`` as the C function receives it: a tensor as its data address,
+    None as NULL, a bool or an int as itself; None for anything else."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr()
+    if value is None:
+        return 0
+    if isinstance(value, int) and -(1 << 63) <= value < (1 << 63):
+        return int(value)
+    return None
+
+
 class CpuCallGraphs:
     """The ``GraphCapturer`` of CPU call graphs (``kiln.graphs.wrapper``).
     ``sites`` lists, when a capture starts, the native functions a step may
@@ -167,8 +236,9 @@ class CpuCallGraphs:
 
     captures_live_steps = True
 
-    def __init__(self, sites: Callable[[], Sequence[NativeSite]]) -> None:
+    def __init__(self, sites: Callable[[], Sequence[NativeSite]], native: NativeReplay | None = None) -> None:
         self.sites = sites
+        self.native = native  # makes a graph's calls from C where it can
 
     def new_pool(self) -> None:
         return None  # each capture's buffers are its own
@@ -181,11 +251,20 @@ class CpuCallGraphs:
             out = fn()
         if not calls:
             raise NotCapturable("the step made no native call through the given sites")
-        logger.info("captured a CPU call graph: %d native calls in %.1f ms", len(calls),
-                    (time.perf_counter() - t0) * 1e3)
-        return CallGraph(tuple(calls), guard.kept), out
+        graph = CallGraph(tuple(calls), guard.kept)
+        prepared = self.native.prepare(calls) if self.native is not None else "no native loop"
+        if isinstance(prepared, str):
+            how = f"replayed from Python: {prepared}"
+        else:
+            graph.native, how = prepared, "replayed from C"
+        logger.info("captured a CPU call graph: %d native calls in %.1f ms, %s", len(calls),
+                    (time.perf_counter() - t0) * 1e3, how)
+        return graph, out
 
     def replay(self, graph: CallGraph) -> None:
+        if graph.native is not None:
+            self.native.run(graph)  # type: ignore[union-attr]
+            return
         for fn, args, expected in graph.calls:
             result = fn(*args)
             if expected is not None and result != expected:

@@ -3,6 +3,8 @@ its op, and the rewrite that puts it into few-token pieces."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,8 @@ from kiln.checkpoint import QuantizedTensor
 from kiln.compiler import cpu_linear
 from kiln.compiler.gemv import decompose_linears
 from kiln.models.quant import FORMATS, dequantize, pack, quantize_int8, quantized_linear, round_activations
+from kiln.graphs import CpuCallGraphs, NativeReplay
+from kiln.graphs.cpu import ReplayError
 from kiln.native import python_headers
 from tests.conftest import KERNEL_BUILDS, cpu_flags
 
@@ -305,3 +309,71 @@ def test_argmax_rows_picks_what_torch_max_picks(build, tmp_path) -> None:
             assert kernel.argmax_rows(t) == t.max(dim=-1).indices.tolist(), (n, t.dtype)
     assert kernel.argmax_rows(torch.zeros(2, 4, dtype=torch.float16)) is None  # a dtype it does not take
     assert kernel.argmax_rows(torch.zeros(4, 2).t()) is None  # values of a row not side by side
+
+
+# ------------------------------------------------------------------ kiln_replay
+def _native(kernel: cpu_linear.CpuLinearKernel) -> NativeReplay:
+    assert kernel.replay_loop is not None and kernel.replay_args == 32
+    return NativeReplay(kernel.replay_loop, kernel.replay_args)
+
+
+def test_kiln_replay_makes_a_call_graphs_calls_from_c(native_kernel) -> None:
+    """The kernel's ``linear`` (an extension function) and a ctypes function,
+    captured through their sites, are made again from C: the replay reads the
+    inputs' new values, and the results equal the calls made from Python."""
+    torch.manual_seed(3)
+    x, w, b = torch.randn(2, 64), torch.randn(16, 64), torch.randn(16)
+    v, w8 = torch.randn(1, 16), torch.randn(8, 16)
+    outs: list[torch.Tensor] = []
+
+    def step() -> None:
+        outs.append(native_kernel(x, w, None, None, b, "f32"))  # through ``_linear``
+        out = torch.empty(1, 8)
+        rc = native_kernel._fn(0, v.data_ptr(), 0, 16, 1, w8.data_ptr(), None, None, 8, 16, None, out.data_ptr(),
+                               0, 8, 1)  # through ``_fn``, as its ctypes caller does
+        assert rc == 0
+        outs.append(out)
+
+    graphs = CpuCallGraphs(native_kernel.native_sites, _native(native_kernel))
+    graph, _ = graphs.capture(step, None)
+    assert len(graph.calls) == 2 and graph.native is not None
+    x.copy_(torch.randn(2, 64))
+    v.copy_(torch.randn(1, 16))
+    graphs.replay(graph)
+    torch.testing.assert_close(outs[0], F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outs[1], F.linear(v, w8), atol=1e-4, rtol=1e-4)
+
+
+def test_kiln_replay_stops_at_a_call_that_returns_otherwise(native_kernel) -> None:
+    """A checked call whose return differs from its capture's raises
+    ReplayError naming it, as the Python loop does: here libc's ``strlen``
+    over a buffer whose string grew."""
+    libc = ctypes.CDLL(None)
+    strlen = libc.strlen
+    strlen.argtypes, strlen.restype = [ctypes.c_void_p], ctypes.c_int
+    buf = ctypes.create_string_buffer(b"abc", 8)
+    holder = {"strlen": strlen}
+    graphs = CpuCallGraphs(lambda: [(holder, "strlen")], _native(native_kernel))
+    graph, _ = graphs.capture(lambda: holder["strlen"](ctypes.addressof(buf)), None)
+    assert graph.native is not None and graph.calls[0][2] == 3
+    graphs.replay(graph)
+    buf.value = b"abcd"
+    with pytest.raises(ReplayError, match="strlen returned 4 on replay, 3 at capture"):
+        graphs.replay(graph)
+
+
+def test_a_call_kiln_replay_cannot_make_is_replayed_from_python(native_kernel) -> None:
+    """A Python function, a float argument or more integers than the loop
+    passes: the graph keeps the Python loop, and the reason is given."""
+    native = _native(native_kernel)
+    x = torch.ones(4)
+
+    def python_fn(*args):  # noqa: ANN002, ANN202
+        return None
+
+    assert "not a known C function" in native.prepare([(python_fn, (x,), None)])
+    assert "not an integer" in native.prepare([(native_kernel._linear, (0, x, 1.5), 0)])
+    assert "more than the native loop's 32" in native.prepare([(native_kernel._linear, (0,) * 33, 0)])
+    declared_float = ctypes.CDLL(None)["labs"]  # a new function object, declared here with a double
+    declared_float.argtypes = [ctypes.c_double]
+    assert "not a known C function" in native.prepare([(declared_float, (1,), None)])
