@@ -18,7 +18,9 @@ as it is; reordered once it ran 1.3-1.9x as fast at 16 rows, 1.2-1.35x at
 
 So on CPU, where torch has oneDNN, the fp32 linears of the pieces that run
 more than a few tokens (the range piece and exact sizes above
-``CPU_GEMV_MAX_TOKENS``) become calls of ``kiln::onednn_linear``, and so does
+``CPU_GEMV_MAX_TOKENS``) become calls of ``kiln::onednn_linear``, so do
+their packed (quantized) fp32 linears, on the dequantized weight as it is
+(``kiln.compiler.gemv.lower_quantized``), and so does
 a dense fp32 or bf16 LM head of more rows than the C linear kernel takes
 (``cpu_linear.MAX_ROWS``; more than ``CPU_GEMV_MAX_TOKENS`` without it). bf16 linears inside the
 pieces are left to Inductor: rewritten, the bf16 test model's compiled

@@ -269,7 +269,7 @@ def _piece_jobs(
     jobs: list[tuple[CompileJob, Install]] = []
     for sig, (piece, runnables) in unique.items():
         label = f"piece {index_of[sig]} [range 1-{max_num_tokens}]"
-        jobs.append((CompileJob(label, _many_rows(lower_quantized(piece.graph_module), device),
+        jobs.append((CompileJob(label, _many_rows(lower_quantized(piece.graph_module, device), device),
                                 _traced_inputs(piece.graph_module), dynamic=True),
                      functools.partial(setattr, runnables, "range")))
     span = _few_rows(unique, sizes, device, policy)
@@ -287,7 +287,7 @@ def _piece_jobs(
             if device.type == "cpu" and n <= CPU_GEMV_MAX_TOKENS:
                 gm, _ = decompose_linears(gm, n, policy)
             else:
-                gm = _many_rows(lower_quantized(gm), device)
+                gm = _many_rows(lower_quantized(gm, device), device)
             jobs.append((CompileJob(f"piece {index_of[sig]} [{n}]", gm, recorded[piece.name], dynamic=False),
                          functools.partial(runnables.exact.__setitem__, n)))
     return jobs

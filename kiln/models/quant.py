@@ -52,7 +52,7 @@ import dataclasses
 import functools
 import operator
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -223,10 +223,12 @@ def reduction(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, offset
 
 def packed_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
                   bias: torch.Tensor | None, fmt: QuantFormat, *, as_reduction: bool,
-                  shape: tuple[int, int] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+                  shape: tuple[int, int] | None = None, dtype: torch.dtype | None = None,
+                  linear: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
     """The packed layer's output in ``dtype`` (default ``x``'s), its input
     first rounded where ``fmt`` says (``round_activations``): by the unpacking
-    reduction, or by ``linear`` over the dequantized weight."""
+    reduction, or by ``linear`` (``(x, weight, bias)``, ``F.linear``'s
+    arguments) over the dequantized weight."""
     dtype = dtype or x.dtype
     if fmt.round_activations:
         _, g = shape or tuple(words.shape[:2])
@@ -236,7 +238,7 @@ def packed_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, of
         return out + bias if bias is not None else out
     if fmt.round_activations:
         x = _cast(x, dtype)
-    return F.linear(x, _cast(dequantize(words, scales, offsets, fmt, shape), dtype), bias)
+    return linear(x, _cast(dequantize(words, scales, offsets, fmt, shape), dtype), bias)
 
 
 # ----------------------------------------------------------------------------- the op
