@@ -12,6 +12,10 @@
  * the same product runs the rows of a 2- or 4-token piece one after another
  * (bench/results/cpu-linear-cpu-*.json).
  *
+ * The library every CPU entry builds also carries the two other loops a decode
+ * step runs in C: the greedy sampler's argmax (kiln_argmax) and the replay of a
+ * CPU call graph's calls (kiln_replay, kiln.graphs.cpu).
+ *
  * Two builds of the same driver, picked by the compiler's target (-march=native):
  * with AVX-512 (F, BW, VL, DQ), vectors of 16 floats, packed words widened
  * by one load-and-extend instruction in memory order with the activations
