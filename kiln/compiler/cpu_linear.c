@@ -944,26 +944,28 @@ const char *kiln_linear_isa(void) {
 #if !defined(__x86_64__)
 #error "kiln_replay calls through the x86-64 System V convention"
 #endif
-#define KILN_REPLAY_ARGS 32
+#define KILN_REPLAY_ARGS 64
 typedef struct {
     const void *fn;
-    int64_t check;     /* 1: the call returns an int, which must equal ``expected`` */
+    const int64_t *args; /* its arguments, followed by at least KILN_REPLAY_ARGS more readable integers */
+    int64_t check;       /* 1: the call returns an int, which must equal ``expected`` */
     int64_t expected;
-    int64_t args[KILN_REPLAY_ARGS];
 } kiln_replay_call;
 
 #define I8 int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t
-typedef int (*kiln_replay_fn)(I8, I8, I8, I8);  /* KILN_REPLAY_ARGS integers */
+typedef int (*kiln_replay_fn)(I8, I8, I8, I8, I8, I8, I8, I8);  /* KILN_REPLAY_ARGS integers */
 #undef I8
 
 /* Makes the ``n`` calls in order. Returns -1 when each returned what it
  * should, else the index of the first that did not, with what it returned in
- * ``*got`` (the calls after it are not made). */
+ * ``*got`` (the calls after it are not made). Each call passes
+ * KILN_REPLAY_ARGS integers from its ``args``: its own, then what follows
+ * them (the next call's, or the padding after the last), which it ignores. */
 int64_t kiln_replay(const kiln_replay_call *calls, int64_t n, int64_t *got) {
     for (int64_t i = 0; i < n; i++) {
         const int64_t *a = calls[i].args;
 #define A8(j) a[j], a[j + 1], a[j + 2], a[j + 3], a[j + 4], a[j + 5], a[j + 6], a[j + 7]
-        const int r = ((kiln_replay_fn)calls[i].fn)(A8(0), A8(8), A8(16), A8(24));
+        const int r = ((kiln_replay_fn)calls[i].fn)(A8(0), A8(8), A8(16), A8(24), A8(32), A8(40), A8(48), A8(56));
 #undef A8
         if (calls[i].check && r != calls[i].expected) {
             *got = r;

@@ -171,47 +171,64 @@ def _recording(sites: Sequence[NativeSite], calls: list[tuple[Callable[..., Any]
 
 class NativeReplay:
     """A graph's calls made from C by ``loop`` (``kiln_replay`` in
-    kiln/compiler/cpu_linear.c, a ctypes function): an array of (C function,
-    return check, ``max_args`` integer arguments) structures, run in one call."""
+    kiln/compiler/cpu_linear.c, a ctypes function) in one call: an array of
+    (C function, its integer arguments, return check) structures, the
+    arguments of all the calls side by side in one array followed by
+    ``max_args`` zeros (each call passes ``max_args`` integers, its own first)."""
 
     def __init__(self, loop: Callable[..., int], max_args: int) -> None:
         self.loop = loop
         self.max_args = max_args
 
-        class Call(ctypes.Structure):
-            _fields_ = [("fn", ctypes.c_void_p), ("check", ctypes.c_int64), ("expected", ctypes.c_int64),
-                        ("args", ctypes.c_int64 * max_args)]
-
-        self._call = Call
-
     def prepare(self, calls: Sequence[tuple[Callable[..., Any], tuple[Any, ...], Any]]) -> Any:
         """The calls as the loop takes them; a string saying why not where one
         of them is not a C function of integer arguments (a float, an object,
         more than ``max_args``)."""
-        array = (self._call * len(calls))()
-        for i, (fn, args, expected) in enumerate(calls):
-            address = c_function(fn)
+        flat: list[int] = []
+        starts: list[int] = []
+        for fn, args, _ in calls:
             name = getattr(fn, "__name__", repr(fn))
-            if address is None:
+            if c_function(fn) is None:
                 return f"{name} is not a known C function"
             if len(args) > self.max_args:
                 return f"{name} takes {len(args)} arguments, more than the native loop's {self.max_args}"
             values = [_integer(a) for a in args]
             if None in values:
                 return f"an argument of {name} is not an integer, an address or None: {args!r}"
-            array[i].fn = address
-            array[i].check = expected is not None
-            array[i].expected = expected or 0
-            array[i].args[:len(values)] = values
-        return array
+            starts.append(len(flat))
+            flat.extend(values)  # type: ignore[arg-type]
+        return _NativeCalls(calls, starts, flat + [0] * self.max_args)
 
     def run(self, graph: CallGraph) -> None:
         got = ctypes.c_int64()
-        index = self.loop(graph.native, len(graph.calls), ctypes.byref(got))
+        native: _NativeCalls = graph.native
+        index = self.loop(native.calls, len(graph.calls), ctypes.byref(got))
         if index != -1:
             fn, _, expected = graph.calls[index]
             raise ReplayError(f"{getattr(fn, '__name__', fn)} returned {got.value!r} on replay, {expected!r} "
                               "at capture: this step's arguments are outside what it took then")
+
+
+class _Call(ctypes.Structure):
+    """``kiln_replay_call`` in kiln/compiler/cpu_linear.c."""
+
+    _fields_ = [("fn", ctypes.c_void_p), ("args", ctypes.c_void_p), ("check", ctypes.c_int64),
+                ("expected", ctypes.c_int64)]
+
+
+class _NativeCalls:
+    """The structures ``kiln_replay`` reads, and the argument array they point into."""
+
+    def __init__(self, calls: Sequence[tuple[Callable[..., Any], tuple[Any, ...], Any]], starts: list[int],
+                 flat: list[int]) -> None:
+        self.args = (ctypes.c_int64 * len(flat))(*flat)
+        base, size = ctypes.addressof(self.args), ctypes.sizeof(ctypes.c_int64)
+        self.calls = (_Call * len(calls))()
+        for call, (fn, _, expected), start in zip(self.calls, calls, starts):
+            call.fn = c_function(fn)
+            call.args = base + start * size
+            call.check = expected is not None
+            call.expected = expected or 0
 
 
 def _integer(value: Any) -> int | None:

@@ -313,7 +313,7 @@ def test_argmax_rows_picks_what_torch_max_picks(build, tmp_path) -> None:
 
 # ------------------------------------------------------------------ kiln_replay
 def _native(kernel: cpu_linear.CpuLinearKernel) -> NativeReplay:
-    assert kernel.replay_loop is not None and kernel.replay_args == 32
+    assert kernel.replay_loop is not None and kernel.replay_args == 64
     return NativeReplay(kernel.replay_loop, kernel.replay_args)
 
 
@@ -373,7 +373,7 @@ def test_a_call_kiln_replay_cannot_make_is_replayed_from_python(native_kernel) -
 
     assert "not a known C function" in native.prepare([(python_fn, (x,), None)])
     assert "not an integer" in native.prepare([(native_kernel._linear, (0, x, 1.5), 0)])
-    assert "more than the native loop's 32" in native.prepare([(native_kernel._linear, (0,) * 33, 0)])
+    assert "more than the native loop's 64" in native.prepare([(native_kernel._linear, (0,) * 65, 0)])
     declared_float = ctypes.CDLL(None)["labs"]  # a new function object, declared here with a double
     declared_float.argtypes = [ctypes.c_double]
     assert "not a known C function" in native.prepare([(declared_float, (1,), None)])
