@@ -86,7 +86,7 @@ class CallGraph:
 
     calls: tuple[tuple[Callable[..., Any], tuple[Any, ...], Any], ...]
     kept: list[torch.Tensor] = field(default_factory=list)
-    native: Any = None  # the calls as ``NativeReplay.prepare`` made them, or None: replayed from Python
+    native: _NativeCalls | None = None  # the calls as ``NativeReplay.prepare`` made them; None: from Python
 
 
 class _OnlyAllocations(TorchDispatchMode):
@@ -180,7 +180,7 @@ class NativeReplay:
         self.loop = loop
         self.max_args = max_args
 
-    def prepare(self, calls: Sequence[tuple[Callable[..., Any], tuple[Any, ...], Any]]) -> Any:
+    def prepare(self, calls: Sequence[tuple[Callable[..., Any], tuple[Any, ...], Any]]) -> _NativeCalls | str:
         """The calls as the loop takes them; a string saying why not where one
         of them is not a C function of integer arguments (a float, an object,
         more than ``max_args``)."""
@@ -200,9 +200,10 @@ class NativeReplay:
         return _NativeCalls(calls, starts, flat + [0] * self.max_args)
 
     def run(self, graph: CallGraph) -> None:
+        if graph.native is None:
+            raise ValueError("the graph's calls were not prepared for the native loop")
         got = ctypes.c_int64()
-        native: _NativeCalls = graph.native
-        index = self.loop(native.calls, len(graph.calls), ctypes.byref(got))
+        index = self.loop(graph.native.calls, len(graph.calls), ctypes.byref(got))
         if index != -1:
             fn, _, expected = graph.calls[index]
             raise ReplayError(f"{getattr(fn, '__name__', fn)} returned {got.value!r} on replay, {expected!r} "
