@@ -81,14 +81,8 @@
  * plus the time of computing it from cache (4.1 = 2.0 + 2.2 ms on one core).
  * With the prefetch, 2 threads: int8 2.56 -> 1.29 ms, q4 1.60 -> 1.09 ms;
  * 1 to 16 KB ahead all did about as well. */
-#ifndef KILN_PREFETCH_AHEAD
 #define KILN_PREFETCH_AHEAD 4096
-#endif
-#if KILN_PREFETCH_AHEAD
 #define prefetch_ahead(p) _mm_prefetch((const char *)(p) + KILN_PREFETCH_AHEAD, _MM_HINT_T1)
-#else
-#define prefetch_ahead(p) ((void)(p))
-#endif
 #define KILN_MAX_K 65536
 
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_INT8 = 2, KIND_Q8_0 = 3, KIND_Q4 = 4,

@@ -185,27 +185,28 @@ class NativeReplay:
         of them is not a C function of integer arguments (a float, an object,
         more than ``max_args``)."""
         flat: list[int] = []
-        starts: list[int] = []
-        for fn, args, _ in calls:
+        made: list[tuple[int, int, Any]] = []  # (C function, start of its arguments in ``flat``, expected)
+        for fn, args, expected in calls:
             name = getattr(fn, "__name__", repr(fn))
-            if c_function(fn) is None:
+            address = c_function(fn)
+            if address is None:
                 return f"{name} is not a known C function"
             if len(args) > self.max_args:
                 return f"{name} takes {len(args)} arguments, more than the native loop's {self.max_args}"
             values = [_integer(a) for a in args]
             if None in values:
                 return f"an argument of {name} is not an integer, an address or None: {args!r}"
-            starts.append(len(flat))
+            made.append((address, len(flat), expected))
             flat.extend(values)  # type: ignore[arg-type]
-        return _NativeCalls(calls, starts, flat + [0] * self.max_args)
+        return _NativeCalls(made, flat + [0] * self.max_args)
 
-    def run(self, graph: CallGraph) -> None:
-        if graph.native is None:
-            raise ValueError("the graph's calls were not prepared for the native loop")
+    def run(self, native: _NativeCalls, calls: Sequence[tuple[Callable[..., Any], tuple[Any, ...], Any]]) -> None:
+        """Make the prepared ``native`` calls; ReplayError names the first of
+        ``calls`` (the recorded ones) that returned otherwise."""
         got = ctypes.c_int64()
-        index = self.loop(graph.native.calls, len(graph.calls), ctypes.byref(got))
+        index = self.loop(native.calls, len(calls), ctypes.byref(got))
         if index != -1:
-            fn, _, expected = graph.calls[index]
+            fn, _, expected = calls[index]
             raise ReplayError(f"{getattr(fn, '__name__', fn)} returned {got.value!r} on replay, {expected!r} "
                               "at capture: this step's arguments are outside what it took then")
 
@@ -220,13 +221,12 @@ class _Call(ctypes.Structure):
 class _NativeCalls:
     """The structures ``kiln_replay`` reads, and the argument array they point into."""
 
-    def __init__(self, calls: Sequence[tuple[Callable[..., Any], tuple[Any, ...], Any]], starts: list[int],
-                 flat: list[int]) -> None:
+    def __init__(self, made: list[tuple[int, int, Any]], flat: list[int]) -> None:
         self.args = (ctypes.c_int64 * len(flat))(*flat)
         base, size = ctypes.addressof(self.args), ctypes.sizeof(ctypes.c_int64)
-        self.calls = (_Call * len(calls))()
-        for call, (fn, _, expected), start in zip(self.calls, calls, starts):
-            call.fn = c_function(fn)
+        self.calls = (_Call * len(made))()
+        for call, (address, start, expected) in zip(self.calls, made):
+            call.fn = address
             call.args = base + start * size
             call.check = expected is not None
             call.expected = expected or 0
@@ -281,7 +281,7 @@ class CpuCallGraphs:
 
     def replay(self, graph: CallGraph) -> None:
         if graph.native is not None:
-            self.native.run(graph)  # type: ignore[union-attr]
+            self.native.run(graph.native, graph.calls)  # type: ignore[union-attr]
             return
         for fn, args, expected in graph.calls:
             result = fn(*args)
