@@ -17,10 +17,11 @@
  *   seq_lens      [B] int32: context length of request b (its keys 0..len-1)
  * Query head h reads KV head h / (H / KV) (grouped-query attention).
  *
- * One work item is a request and heads_per_item KV heads: all KV heads when
+ * One work item is a request and some of its KV heads: all of them when
  * there are enough requests to keep the threads busy (a key row of every head
- * is then read in one sweep), one head otherwise. The items are shared among
- * `threads` OpenMP threads. With AVX2 and a head dim that is a multiple of 64,
+ * is then read in one sweep), one head otherwise; and where even that leaves
+ * threads idle, a run of the request's blocks, the runs' softmaxes merged
+ * after (share_work). The items are shared among `threads` OpenMP threads. With AVX2 and a head dim that is a multiple of 64,
  * a head's query and its accumulator stay in registers across a block's rows
  * (scores64, weighted64): 1.3-1.8x the plain loops, which load and store the
  * accumulator at every row (bench/results/decode-attention-cpu-20261201-211354.json
@@ -36,6 +37,7 @@
  * the next block is prefetched while one is computed (prefetch_block).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -44,6 +46,10 @@
 #define KILN_MAX_HEADS 32  /* query heads of one work item (kept on the stack) */
 #define KILN_MAX_DIM 256
 #define KILN_MAX_BLOCK 128
+/* The fewest blocks a run of a split request takes (share_work): one request
+ * of 40 tokens (3 blocks of 16) in two runs took 11.1 us a layer against 10.6
+ * as a head an item (the scratch A/B quoted there). */
+#define KILN_MIN_RUN 4
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t bits = (uint32_t)v << 16;
@@ -378,87 +384,171 @@ static inline void prefetch_block(const void *key, const void *value, int64_t bl
         }
 }
 
+/* One work item's share of a request: query heads of KV heads kh0 ..
+ * kh0 + heads - 1 (nq = heads * group of them) against the positions pos_lo
+ * .. pos_hi - 1, block by block with an online softmax. Leaves each query
+ * head's running maximum ``m``, sum of exponentials ``l`` and unnormalised
+ * output ``acc`` (nothing attended: m = -3e38, l = 0, acc = 0). */
+static inline __attribute__((always_inline)) void attend(
+        const float *qs, const void *key, const void *value, const int32_t *bt, int64_t pos_lo, int64_t pos_hi,
+        int64_t kh0, int64_t heads, int64_t group, int64_t D, int64_t bs, int64_t pos_stride, float *acc, float *m,
+        float *l, const int bf16)
+{
+    const size_t esize = bf16 ? 2 : 4;
+    const int64_t nq = heads * group;
+    const int blocked = KILN_BLOCKED && D % 64 == 0;  /* head dims 64, 128, 256: the register-blocked loops */
+    (void)blocked;  /* unused where neither AVX2 nor AVX-512 is there */
+    float s[KILN_MAX_HEADS][KILN_MAX_BLOCK];
+    for (int64_t i = 0; i < nq * D; ++i) acc[i] = 0.f;
+    for (int64_t h = 0; h < nq; ++h) { m[h] = -3.0e38f; l[h] = 0.f; }
+    for (int64_t p0 = pos_lo - pos_lo % bs; p0 < pos_hi; p0 += bs) {
+        const int64_t blk = bt[p0 / bs];
+        const int64_t lo = p0 < pos_lo ? pos_lo - p0 : 0;
+        const int64_t hi = pos_hi - p0 < bs ? pos_hi - p0 : bs;
+        const char *kb = (const char *)key + (blk * bs * pos_stride + kh0 * D) * esize;
+        const char *vb = (const char *)value + (blk * bs * pos_stride + kh0 * D) * esize;
+        if (p0 + bs < pos_hi)  /* the next block, while this one is computed */
+            prefetch_block(key, value, bt[p0 / bs + 1], bs, pos_stride, kh0 * D, heads * D, esize);
+#if KILN_BLOCKED
+        if (blocked) {
+            block_scores(qs, kb, pos_stride, heads, group, D, lo, hi, s, esize, bf16);
+        } else
+#endif
+        {
+            for (int64_t j = lo; j < hi; ++j)
+                for (int64_t h = 0; h < nq; ++h)
+                    s[h][j] = dot(qs + h * D, kb + (j * pos_stride + (h / group) * D) * esize, D, bf16);
+        }
+        for (int64_t h = 0; h < nq; ++h) {  /* online softmax: rescale what came before */
+            float mx = m[h];
+            for (int64_t j = lo; j < hi; ++j) mx = s[h][j] > mx ? s[h][j] : mx;
+            const float sum = exp_sum(s[h], lo, hi, mx);
+            const float corr = exp_nonpos(m[h] - mx);
+            l[h] = l[h] * corr + sum;
+            m[h] = mx;
+            float *ah = acc + h * D;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ah[d] *= corr;
+        }
+#if KILN_BLOCKED
+        if (blocked) {
+            block_weighted((const float (*)[KILN_MAX_BLOCK])s, vb, pos_stride, heads, group, D, lo, hi, acc, esize,
+                           bf16);
+        } else
+#endif
+        {
+            for (int64_t j = lo; j < hi; ++j)
+                for (int64_t h = 0; h < nq; ++h) {
+                    const void *v = vb + (j * pos_stride + (h / group) * D) * esize;
+                    const float p = s[h][j];
+                    float *ah = acc + h * D;
+                    for (int64_t d = 0; d < D; ++d) ah[d] += p * elem(v, d, bf16);
+                }
+        }
+    }
+}
+
+/* The query heads of a work item, scaled, as fp32. */
+static inline void load_query(const void *query, int64_t qh, int64_t n, float scale, float *qs, const int bf16) {
+    for (int64_t i = 0; i < n; ++i) qs[i] = elem(query, qh + i, bf16) * scale;
+}
+
+/* out[h] = acc[h] / l[h] for nq heads of D values. */
+static inline void store_heads(const float *acc, const float *l, int64_t nq, int64_t D, void *out, int64_t oh,
+                               const int bf16) {
+    for (int64_t h = 0; h < nq; ++h) {
+        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+        for (int64_t d = 0; d < D; ++d) {
+            const float o = acc[h * D + d] * inv;
+            if (bf16) ((uint16_t *)out)[oh + h * D + d] = f32_to_bf16(o);
+            else ((float *)out)[oh + h * D + d] = o;
+        }
+    }
+}
+
+/* The positions a request attends to: the last ``window`` (all when 0). */
+static inline int64_t first_position(int64_t len, int64_t window) {
+    return (window > 0 && len > window) ? len - window : 0;
+}
+
 /* Returns 0, or -1 when the shapes exceed the limits above (nothing written).
- * Strides are in elements; bf16: every tensor holds bf16 values. */
+ * Strides are in elements; bf16: every tensor holds bf16 values.
+ *
+ * ``parts`` > 1 splits each request's blocks into that many runs, a work item
+ * each (split-K, as flash-decoding does on GPUs), and merges their partial
+ * softmaxes: with fewer work items than threads (one request, its KV heads in
+ * one item, against 2 threads) a thread would otherwise sit idle, or with 3
+ * items one thread take two. ``partial``: room for B * chunks * parts items'
+ * (m, l, acc), nq * (D + 2) floats each. */
 static inline __attribute__((always_inline)) int paged_decode(
         const void *query, int64_t q_stride, const void *key, const void *value, const int32_t *block_table,
         int64_t bt_stride, const int32_t *seq_lens, const int64_t *rows, void *out, int64_t out_stride, int64_t B,
         int64_t H, int64_t KV, int64_t D, int64_t bs, float scale, int64_t window, int64_t heads_per_item,
-        int64_t threads, const int bf16)
+        int64_t parts, float *partial, int64_t threads, const int bf16)
 {
-    const size_t esize = bf16 ? 2 : 4;
     const int64_t group = KV > 0 ? H / KV : 0;
     if (group < 1 || group * KV != H || D > KILN_MAX_DIM || bs > KILN_MAX_BLOCK || heads_per_item < 1
-        || KV % heads_per_item != 0 || heads_per_item * group > KILN_MAX_HEADS) return -1;
+        || KV % heads_per_item != 0 || heads_per_item * group > KILN_MAX_HEADS || parts < 1
+        || (parts > 1 && !partial)) return -1;
     const int64_t pos_stride = KV * D, chunks = KV / heads_per_item, nq = heads_per_item * group;
-    const int blocked = KILN_BLOCKED && D % 64 == 0;  /* head dims 64, 128, 256: the register-blocked loops */
-    (void)blocked;  /* unused where neither AVX2 nor AVX-512 is there */
+    const int64_t item_floats = nq * (D + 2);
     /* threads: torch's count, passed in; the caller's OpenMP default is not it
        in a thread torch did not set up (an engine thread of a server) */
-    #pragma omp parallel for collapse(2) schedule(static) num_threads(threads < 1 ? 1 : threads)
-    for (int64_t b = 0; b < B; ++b) {
-        for (int64_t c = 0; c < chunks; ++c) {
-            const int64_t len = seq_lens[b];
-            const int64_t start = (window > 0 && len > window) ? len - window : 0;
-            const int64_t kh0 = c * heads_per_item;
-            const int64_t qh = rows[b] * q_stride + kh0 * group * D;  /* element offsets */
-            const int64_t oh = rows[b] * out_stride + kh0 * group * D;
-            float qs[KILN_MAX_HEADS * KILN_MAX_DIM], acc[KILN_MAX_HEADS * KILN_MAX_DIM];
-            float m[KILN_MAX_HEADS], l[KILN_MAX_HEADS], s[KILN_MAX_HEADS][KILN_MAX_BLOCK];
-            for (int64_t i = 0; i < nq * D; ++i) { qs[i] = elem(query, qh + i, bf16) * scale; acc[i] = 0.f; }
-            for (int64_t h = 0; h < nq; ++h) { m[h] = -3.0e38f; l[h] = 0.f; }
-            const int32_t *bt = block_table + b * bt_stride;
-            for (int64_t p0 = start - start % bs; p0 < len; p0 += bs) {
-                const int64_t blk = bt[p0 / bs];
-                const int64_t lo = p0 < start ? start - p0 : 0;
-                const int64_t hi = len - p0 < bs ? len - p0 : bs;
-                const char *kb = (const char *)key + (blk * bs * pos_stride + kh0 * D) * esize;
-                const char *vb = (const char *)value + (blk * bs * pos_stride + kh0 * D) * esize;
-                if (p0 + bs < len)  /* the next block, while this one is computed */
-                    prefetch_block(key, value, bt[p0 / bs + 1], bs, pos_stride, kh0 * D, heads_per_item * D, esize);
-#if KILN_BLOCKED
-                if (blocked) {
-                    block_scores(qs, kb, pos_stride, heads_per_item, group, D, lo, hi, s, esize, bf16);
-                } else
-#endif
-                {
-                    for (int64_t j = lo; j < hi; ++j)
-                        for (int64_t h = 0; h < nq; ++h)
-                            s[h][j] = dot(qs + h * D, kb + (j * pos_stride + (h / group) * D) * esize, D, bf16);
-                }
-                for (int64_t h = 0; h < nq; ++h) {  /* online softmax: rescale what came before */
-                    float mx = m[h];
-                    for (int64_t j = lo; j < hi; ++j) mx = s[h][j] > mx ? s[h][j] : mx;
-                    const float sum = exp_sum(s[h], lo, hi, mx);
-                    const float corr = exp_nonpos(m[h] - mx);
-                    l[h] = l[h] * corr + sum;
-                    m[h] = mx;
-                    float *ah = acc + h * D;
-                    #pragma omp simd
-                    for (int64_t d = 0; d < D; ++d) ah[d] *= corr;
-                }
-#if KILN_BLOCKED
-                if (blocked) {
-                    block_weighted((const float (*)[KILN_MAX_BLOCK])s, vb, pos_stride, heads_per_item, group, D, lo,
-                                   hi, acc, esize, bf16);
-                } else
-#endif
-                {
-                    for (int64_t j = lo; j < hi; ++j)
-                        for (int64_t h = 0; h < nq; ++h) {
-                            const void *v = vb + (j * pos_stride + (h / group) * D) * esize;
-                            const float p = s[h][j];
-                            float *ah = acc + h * D;
-                            for (int64_t d = 0; d < D; ++d) ah[d] += p * elem(v, d, bf16);
-                        }
+    #pragma omp parallel num_threads(threads < 1 ? 1 : threads)
+    {
+        #pragma omp for collapse(3) schedule(static)
+        for (int64_t b = 0; b < B; ++b) {
+            for (int64_t c = 0; c < chunks; ++c) {
+                for (int64_t p = 0; p < parts; ++p) {
+                    const int64_t len = seq_lens[b], start = first_position(len, window);
+                    const int64_t kh0 = c * heads_per_item;
+                    /* this part's run of the request's blocks, as positions */
+                    const int64_t first = start / bs, blocks = len > start ? (len - 1) / bs - first + 1 : 0;
+                    const int64_t b0 = first + blocks * p / parts, b1 = first + blocks * (p + 1) / parts;
+                    const int64_t lo = b0 * bs > start ? b0 * bs : start, hi = b1 * bs < len ? b1 * bs : len;
+                    float qs[KILN_MAX_HEADS * KILN_MAX_DIM], acc[KILN_MAX_HEADS * KILN_MAX_DIM];
+                    float m[KILN_MAX_HEADS], l[KILN_MAX_HEADS];
+                    load_query(query, rows[b] * q_stride + kh0 * group * D, nq * D, scale, qs, bf16);
+                    attend(qs, key, value, block_table + b * bt_stride, lo, hi, kh0, heads_per_item, group, D, bs,
+                           pos_stride, acc, m, l, bf16);
+                    if (parts == 1) {
+                        store_heads(acc, l, nq, D, out, rows[b] * out_stride + kh0 * group * D, bf16);
+                    } else {
+                        float *item = partial + ((b * chunks + c) * parts + p) * item_floats;
+                        memcpy(item, m, sizeof(float) * nq);
+                        memcpy(item + nq, l, sizeof(float) * nq);
+                        memcpy(item + 2 * nq, acc, sizeof(float) * nq * D);
+                    }
                 }
             }
-            for (int64_t h = 0; h < nq; ++h) {
-                const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-                for (int64_t d = 0; d < D; ++d) {
-                    const float o = acc[h * D + d] * inv;
-                    if (bf16) ((uint16_t *)out)[oh + h * D + d] = f32_to_bf16(o);
-                    else ((float *)out)[oh + h * D + d] = o;
+        }
+        if (parts > 1) {
+            /* each request's parts merged: rescaled to their common maximum */
+            #pragma omp for collapse(2) schedule(static)
+            for (int64_t b = 0; b < B; ++b) {
+                for (int64_t c = 0; c < chunks; ++c) {
+                    const float *items = partial + (b * chunks + c) * parts * item_floats;
+                    float acc[KILN_MAX_HEADS * KILN_MAX_DIM], l[KILN_MAX_HEADS];
+                    for (int64_t h = 0; h < nq; ++h) {
+                        float mx = -3.0e38f;
+                        for (int64_t p = 0; p < parts; ++p) {
+                            const float mp = items[p * item_floats + h];
+                            mx = mp > mx ? mp : mx;
+                        }
+                        float *ah = acc + h * D;
+                        for (int64_t d = 0; d < D; ++d) ah[d] = 0.f;
+                        l[h] = 0.f;
+                        for (int64_t p = 0; p < parts; ++p) {
+                            const float *item = items + p * item_floats;
+                            if (item[nq + h] == 0.f) continue;  /* a part with no positions */
+                            const float w = exp_nonpos(item[h] - mx);
+                            l[h] += w * item[nq + h];
+                            const float *ap = item + 2 * nq + h * D;
+                            #pragma omp simd
+                            for (int64_t d = 0; d < D; ++d) ah[d] += w * ap[d];
+                        }
+                    }
+                    store_heads(acc, l, nq, D, out, rows[b] * out_stride + c * heads_per_item * group * D, bf16);
                 }
             }
         }
@@ -466,17 +556,47 @@ static inline __attribute__((always_inline)) int paged_decode(
     return 0;
 }
 
-/* KV heads one work item takes: all of them (one sweep over each key row)
- * once the requests outnumber the threads twice over, else one (the heads
- * then share the threads); never more query heads than an item holds. */
-static int64_t heads_per_item(int64_t B, int64_t H, int64_t KV, int64_t threads)
+/* How a step's work is shared among the threads: ``*heads`` KV heads a work
+ * item and ``*parts`` runs of blocks a request (paged_decode). With the
+ * requests outnumbering the threads twice over, an item is a request with all
+ * its KV heads (one sweep over each key row); with requests x KV heads enough
+ * for the threads, a request's head; else (one request and 3 KV heads on 2
+ * threads: one thread took two items, the other one) an item is a run of at
+ * least KILN_MIN_RUN of a request's blocks with all its heads, as many runs
+ * as it takes to give every thread one. Never more query heads than an item
+ * holds. One request of the 135M shape on 2 threads, each layer's cache
+ * evicted by a 4 MB read before its call as a step's weights do, one scratch
+ * A/B a layer: 160 tokens 20.2 -> 19.2 us, 400 tokens 42.3 -> 39.1 us, 1000
+ * tokens 99.7 -> 95.9 us (about 5 us of each is the Python call). */
+static void share_work(int64_t B, int64_t H, int64_t KV, int64_t bs, int64_t window, const int32_t *seq_lens,
+                       int64_t threads, int64_t *heads, int64_t *parts)
 {
     const int64_t group = H / KV;
-    int64_t best = 1;
-    if (B < 2 * threads) return 1;
+    int64_t all = 1;
     for (int64_t n = 1; n <= KV; ++n)
-        if (KV % n == 0 && n * group <= KILN_MAX_HEADS) best = n;
-    return best;
+        if (KV % n == 0 && n * group <= KILN_MAX_HEADS) all = n;
+    *parts = 1;
+    if (B >= 2 * threads) { *heads = all; return; }
+    *heads = 1;
+    if (B * KV >= 2 * threads) return;
+    *heads = all;
+    const int64_t items = B * (KV / all);
+    int64_t most = 0;  /* blocks of the longest request */
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t len = seq_lens[b], start = first_position(len, window);
+        const int64_t blocks = len > start ? (len - 1) / bs - start / bs + 1 : 0;
+        most = blocks > most ? blocks : most;
+    }
+    const int64_t want = (threads + items - 1) / items, most_runs = most / KILN_MIN_RUN;
+    *parts = want < most_runs ? want : most_runs;
+    if (*parts < 2) { *parts = 1; *heads = 1; }  /* too short to split: a head an item */
+}
+
+/* share_work's choice, for tests: out[0] KV heads an item, out[1] runs a request. */
+void kiln_decode_share(int64_t B, int64_t H, int64_t KV, int64_t bs, int64_t window, const int32_t *seq_lens,
+                       int64_t threads, int64_t *out)
+{
+    share_work(B, H, KV, bs, window, seq_lens, threads, &out[0], &out[1]);
 }
 
 /* Write n tokens' keys and values ([n, KV, D] rows, row strides in elements,
@@ -531,10 +651,19 @@ int kiln_decode_layer(const kiln_step *st, const void *query, int64_t q_stride, 
                  esize) != 0)
         return -1;
     if (st->B == 0) return 0;
-    const int64_t hpi = heads_per_item(st->B, H, KV, st->threads);
-    if (bf16)
-        return paged_decode(query, q_stride, key_cache, value_cache, st->block_table, st->bt_stride, st->seq_lens,
-                            st->rows, out, out_stride, st->B, H, KV, D, bs, scale, window, hpi, st->threads, 1);
-    return paged_decode(query, q_stride, key_cache, value_cache, st->block_table, st->bt_stride, st->seq_lens,
-                        st->rows, out, out_stride, st->B, H, KV, D, bs, scale, window, hpi, st->threads, 0);
+    int64_t heads, parts;
+    share_work(st->B, H, KV, bs, window, st->seq_lens, st->threads, &heads, &parts);
+    float *partial = NULL;
+    if (parts > 1) {
+        partial = malloc(sizeof(float) * (size_t)(st->B * (KV / heads) * parts * heads * group * (D + 2)));
+        if (!partial) { heads = 1; parts = 1; }  /* a head an item, unsplit */
+    }
+    const int rc = bf16 ? paged_decode(query, q_stride, key_cache, value_cache, st->block_table, st->bt_stride,
+                                       st->seq_lens, st->rows, out, out_stride, st->B, H, KV, D, bs, scale, window,
+                                       heads, parts, partial, st->threads, 1)
+                        : paged_decode(query, q_stride, key_cache, value_cache, st->block_table, st->bt_stride,
+                                       st->seq_lens, st->rows, out, out_stride, st->B, H, KV, D, bs, scale, window,
+                                       heads, parts, partial, st->threads, 0);
+    free(partial);
+    return rc;
 }

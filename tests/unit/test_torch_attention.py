@@ -7,6 +7,8 @@ of it, with and without a sliding window, with grouped-query heads.
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -192,6 +194,60 @@ def test_the_c_decode_kernel_in_bf16_equals_fp32_attention_of_the_same_values(
     torch.testing.assert_close(out[decodes].float(), want[decodes].to(torch.bfloat16).float(), atol=1e-2,
                                rtol=2 ** -7)
     torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=3e-2)  # the prefill rows by SDPA in bf16
+
+
+def _share(kernel, seq_lens: list[int], heads: int, kv_heads: int, block_size: int, window: int,
+           threads: int) -> tuple[int, int]:
+    """The kernel's split of a step's work: (KV heads an item, runs a request)."""
+    lib = ctypes.CDLL(str(kernel.path))
+    lens = (ctypes.c_int32 * len(seq_lens))(*seq_lens)
+    out = (ctypes.c_int64 * 2)()
+    i = ctypes.c_int64
+    lib.kiln_decode_share.argtypes = [i, i, i, i, i, ctypes.c_void_p, i, ctypes.c_void_p]
+    lib.kiln_decode_share(len(seq_lens), heads, kv_heads, block_size, window, lens, threads, out)
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4])
+@pytest.mark.parametrize("window", [0, 90])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads, group, seq_lens", [(3, 3, [200]), (1, 9, [150]), (1, 4, [130, 201])])
+def test_the_c_decode_kernel_splits_long_requests_among_idle_threads(
+        decode_kernel, kernel_only, threads: int, window: int, dtype, kv_heads: int, group: int,
+        seq_lens: list[int]) -> None:
+    """Fewer requests x KV heads than twice the threads: each request's blocks
+    are cut into runs, a work item each, and the runs' softmaxes merged."""
+    block_size, head_dim = 16, 64
+    runs = _share(decode_kernel, seq_lens, kv_heads * group, kv_heads, block_size, window, threads)
+    attended = max(min(n, window or n) for n in seq_lens)
+    want_runs = min(-(-threads // len(seq_lens)), (attended + block_size - 1) // block_size // 4)
+    assert runs == ((kv_heads, want_runs) if want_runs > 1 else (1, 1))
+    kv_cache, common, query, key, value = _step([1] * len(seq_lens), seq_lens, seed=11, kv_heads=kv_heads,
+                                                group=group, head_dim=head_dim, block_size=block_size)
+    kv_cache, query, key, value = (t.to(dtype) for t in (kv_cache, query, key, value))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # DecodeStep hands the kernel torch's thread count
+    try:
+        backend = TorchAttentionBackend().with_decode_kernel(decode_kernel)
+        out = torch.full_like(query, float("nan"))
+        backend.forward(query, key, value, out, kv_cache, backend.build_metadata(common), 0.3, window)
+    finally:
+        torch.set_num_threads(before)
+    want = _dense(kv_cache.float(), common, query.float(), window, 0.3)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), want.to(torch.bfloat16).float(), atol=1e-2, rtol=2 ** -7)
+
+
+def test_the_c_decode_kernel_keeps_short_requests_whole(decode_kernel) -> None:
+    """A run is at least 4 blocks: shorter requests keep a KV head an item,
+    and enough requests or KV heads keep the threads busy unsplit."""
+    assert _share(decode_kernel, [63], 9, 3, 16, 0, 2) == (1, 1)  # 4 blocks: one run
+    assert _share(decode_kernel, [200], 9, 3, 16, 20, 2) == (1, 1)  # the window's 2 blocks
+    assert _share(decode_kernel, [128], 9, 3, 16, 0, 2) == (3, 2)
+    assert _share(decode_kernel, [500, 500], 9, 3, 16, 0, 2) == (1, 1)  # 6 items for 2 threads
+    assert _share(decode_kernel, [500] * 4, 9, 3, 16, 0, 2) == (3, 1)  # a request an item
 
 
 def test_the_c_decode_kernel_leaves_other_dtypes_to_the_torch_path(decode_kernel) -> None:
