@@ -21,8 +21,9 @@
  * there are enough requests to keep the threads busy (a key row of every head
  * is then read in one sweep), one head otherwise; and where even that leaves
  * threads idle, a run of the request's blocks, the runs' softmaxes merged
- * after (share_work). The items are shared among `threads` OpenMP threads. With AVX2 and a head dim that is a multiple of 64,
- * a head's query and its accumulator stay in registers across a block's rows
+ * after (share_work). The items are shared among `threads` OpenMP threads.
+ * With AVX2 and a head dim that is a multiple of 64, a head's query and its
+ * accumulator stay in registers across a block's rows
  * (scores64, weighted64): 1.3-1.8x the plain loops, which load and store the
  * accumulator at every row (bench/results/decode-attention-cpu-20261201-211354.json
  * against -195303.json). With AVX-512 a block is taken a KV head at a time
