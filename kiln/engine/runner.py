@@ -119,7 +119,7 @@ class ModelRunner:
             logger.info("no %s graph of %d tokens: %s", dispatch.mode.value, dispatch.num_tokens, e)
             self.dispatcher.drop(dispatch.num_tokens)  # type: ignore[union-attr]
             hidden = self._run(meta, Dispatch(CUDAGraphMode.NONE, dispatch.descriptor))
-        logits = self.compute_logits(hidden[self.inputs.logits_indices.device[: shape.num_samples]])
+        logits = self.compute_logits(hidden[self.inputs.logits_indices.view(shape.num_samples)])
         t2 = time.perf_counter()
         sampling = [s for s in sched.scheduled if s.sampling is not None]
         sampled = self.sampler(logits, [s.sampling for s in sampling], [s.num_output_tokens for s in sampling])  # type: ignore[misc]
@@ -147,7 +147,7 @@ class ModelRunner:
             attention_backend=self.attention_backend,
         )
         with set_forward_context(context):
-            return self.forward(self.inputs.input_ids.device[:t], self.inputs.positions.device[:t])
+            return self.forward(self.inputs.input_ids.view(t), self.inputs.positions.view(t))
 
     # ------------------------------------------------------------------ CUDA graphs
     def install_cuda_graphs(

@@ -8,6 +8,7 @@ of it, with and without a sliding window, with grouped-query heads.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -248,6 +249,35 @@ def test_the_c_decode_kernel_keeps_short_requests_whole(decode_kernel) -> None:
     assert _share(decode_kernel, [128], 9, 3, 16, 0, 2) == (3, 2)
     assert _share(decode_kernel, [500, 500], 9, 3, 16, 0, 2) == (1, 1)  # 6 items for 2 threads
     assert _share(decode_kernel, [500] * 4, 9, 3, 16, 0, 2) == (3, 1)  # a request an item
+
+
+def test_a_decode_step_over_the_same_buffers_reuses_its_kernel_step(decode_kernel, kernel_only) -> None:
+    """The runner's inputs are the same tensors each step: the backend hands
+    the kernel the same DecodeStep, which reads what the buffers hold now (the
+    next token's length and slot, written in place)."""
+    kv_cache, common, query, key, value = _step([1, 1], [13, 9], seed=12)
+    backend = TorchAttentionBackend().with_decode_kernel(decode_kernel)
+    first = backend.build_metadata(common)
+    out = torch.full_like(query, float("nan"))
+    backend.forward(query, key, value, out, kv_cache, first, 0.3, 0)
+    torch.testing.assert_close(out, _dense(kv_cache, common, query, 0, 0.3), atol=1e-5, rtol=1e-5)
+
+    # the next step: request 0 one token further, written into the same tensors
+    common.seq_lens[0] = 14
+    common.slot_mapping[0] = int(common.block_table[0, 13 // BLOCK_SIZE]) * BLOCK_SIZE + 13 % BLOCK_SIZE
+    common = replace(common, seq_lens_cpu=common.seq_lens.numpy().copy(), max_seq_len=14)
+    second = backend.build_metadata(common)
+    assert second.native is first.native
+    g = torch.Generator().manual_seed(13)
+    query, key, value = (torch.randn(t.shape, generator=g) for t in (query, key, value))
+    out = torch.full_like(query, float("nan"))
+    backend.forward(query, key, value, out, kv_cache, second, 0.3, 0)
+    torch.testing.assert_close(out, _dense(kv_cache, common, query, 0, 0.3), atol=1e-5, rtol=1e-5)
+
+    # other tensors, or requests no longer consecutive: a step of their own
+    assert backend.build_metadata(replace(common, seq_lens=common.seq_lens.clone())).native is not first.native
+    mixed = backend.build_metadata(_step([1, 3, 1], [5, 8, 6], seed=14)[1]).native
+    assert mixed is not first.native and mixed.num_requests == 2
 
 
 def test_the_c_decode_kernel_leaves_other_dtypes_to_the_torch_path(decode_kernel) -> None:
