@@ -31,16 +31,22 @@ class _Buffer:
         self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=pin)
         self.np = self.cpu.numpy()
         self.device = self.cpu if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
-        # The device views of the first n rows, made once each: a step takes
-        # about ten of them, and a slice is a torch call that cost 1-3 us in a
-        # CPU decode step (the caches cold after the weights stream through).
+        # The device views of the first n rows, made once each up to
+        # _KEPT_VIEWS rows (a decode step's sizes; a prompt step's slices cost
+        # nothing next to its compute): a step takes about ten of them, and a
+        # slice is a torch call that cost 1-3 us in a CPU decode step (the
+        # caches cold after the weights stream through).
         self._views: dict[int, torch.Tensor] = {}
+
+    _KEPT_VIEWS = 512
 
     def view(self, n: int) -> torch.Tensor:
         """The device tensor's first ``n`` rows."""
         v = self._views.get(n)
         if v is None:
-            v = self._views[n] = self.device[:n]
+            v = self.device[:n]
+            if n <= self._KEPT_VIEWS:
+                self._views[n] = v
         return v
 
     def upload(self, n: int) -> torch.Tensor:
