@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -216,7 +215,9 @@ class _NativeSteps:
 
     def __init__(self) -> None:
         self.args = StepArgs()
-        self._last: tuple[tuple[Any, ...], DecodeStep] | None = None
+        self._last: DecodeStep | None = None
+        self._last_key: tuple[int, ...] = ()  # what the last step was built from, with:
+        self._last_tensors: tuple[torch.Tensor, ...] = ()  # compared by identity
 
     def step(self, common: CommonAttentionMetadata, decodes: list[int], qsl: list[int],
              seq_lens: list[int]) -> DecodeStep:
@@ -232,13 +233,13 @@ class _NativeSteps:
         first, d0, d1 = qsl[decodes[0]], decodes[0], decodes[-1] + 1
         key = (first, d0, d1, common.num_actual_tokens, torch.get_num_threads())
         tensors = (common.block_table, common.seq_lens, common.slot_mapping)
-        last = self._last
-        if last is not None and last[0][0] == key and all(a is b for a, b in zip(last[0][1], tensors)):
-            return last[1]
-        step = DecodeStep(torch.arange(first, first + len(decodes)), common.block_table[d0:d1],
-                          common.seq_lens[d0:d1], common.slot_mapping, common.num_actual_tokens, self.args)
-        self._last = ((key, tensors), step)
-        return step
+        if (self._last is not None and key == self._last_key
+                and all(a is b for a, b in zip(tensors, self._last_tensors))):
+            return self._last
+        self._last = DecodeStep(torch.arange(first, first + len(decodes)), common.block_table[d0:d1],
+                                common.seq_lens[d0:d1], common.slot_mapping, common.num_actual_tokens, self.args)
+        self._last_key, self._last_tensors = key, tensors
+        return self._last
 
 
 def _mask(ctx: int, q_len: int, sliding_window: int, group: int, device: torch.device) -> torch.Tensor | None:
