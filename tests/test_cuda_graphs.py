@@ -138,20 +138,50 @@ GPU_FAMILIES = {
 }
 
 
+GREEDY_LOGPROBS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
+
+
+def assert_greedy_close(expected, got, label: str, gap: float = 0.5) -> None:
+    """Two greedy runs in bf16 agree up to near-ties, as vLLM's
+    ``check_logprobs_close``: each request's tokens are equal until they first
+    differ, and there each run's token is among the other's 5 most likely, less
+    than ``gap`` nats below it. After that the contexts differ, so the rest of the
+    request is not compared. Why not equal tokens: Inductor's fused bf16 kernels
+    round in other places than eager ops; on the H200 (2026-12-04) -O1 and -O0
+    first differed at tokens 2-6 in 3 of 4 families with these random models."""
+    assert len(got) == len(expected)
+    for i, (e, g) in enumerate(zip(expected, got)):
+        assert len(g.token_ids) == len(e.token_ids), f"{label}: request {i} length"
+        for pos, (te, tg) in enumerate(zip(e.token_ids, g.token_ids)):
+            if te == tg:
+                continue
+            top_e, top_g = dict(e.logprobs[pos].top), dict(g.logprobs[pos].top)
+            where = f"{label}: request {i} token {pos}: {tg} where {te} was expected"
+            assert te in top_g and tg in top_e, f"{where}, not a near-tie (top: {top_e} / {top_g})"
+            assert top_g[tg] - top_g[te] <= gap and top_e[te] - top_e[tg] <= gap, \
+                f"{where}, more than {gap} nats apart (top: {top_e} / {top_g})"
+            break
+
+
 @cuda_only
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("family", sorted(GPU_FAMILIES))
 def test_gpu_graph_modes_match_eager(family: str, dtype: str, tmp_path) -> None:
+    """Each CUDA graph mode at -O1 generates eager -O0's tokens: exactly in
+    float32, up to near-ties in bfloat16 (``assert_greedy_close``)."""
     model = build_hf_model(family, seed=zlib.crc32(family.encode()) % 1000, **GPU_FAMILIES[family])
     path = save_checkpoint(model, tmp_path / family)
     # 3 requests: decode steps pad 3 -> 4 tokens; a 10-token budget chunks the prefills
     prompts = random_prompts(3, [5, 17, 26], model.config.vocab_size, seed=3)
     common = dict(device="cuda", dtype=dtype, max_num_batched_tokens=10, max_num_seqs=4)
-    expected = [o.token_ids for o in Runtime.load(path, optimization_level=0, **common).generate(prompts, GREEDY)]
+    expected = Runtime.load(path, optimization_level=0, **common).generate(prompts, GREEDY_LOGPROBS)
     for mode in ("NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE"):
         rt = Runtime.load(path, optimization_level=1, cudagraph_mode=mode, **common)
         report = rt.startup_report
         assert report["cudagraph_mode"] == mode
         assert (report["cudagraphs_captured"] > 0) == (mode != "NONE")
-        got = [o.token_ids for o in rt.generate(prompts, GREEDY)]
-        assert got == expected, f"{family} {dtype} {mode}"
+        got = rt.generate(prompts, GREEDY_LOGPROBS)
+        if dtype == "float32":
+            assert [o.token_ids for o in got] == [o.token_ids for o in expected], f"{family} {dtype} {mode}"
+        else:
+            assert_greedy_close(expected, got, f"{family} {dtype} {mode}")

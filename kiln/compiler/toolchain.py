@@ -357,7 +357,10 @@ def recorded_torch_key(memo: Path) -> None:
     if isinstance(saved, dict) and saved.get("digest") == digest and isinstance(saved.get("key"), str):
         try:
             key_fn.set(bytes.fromhex(saved["key"]))
-        except (RuntimeError, ValueError):  # already known in this process, or a damaged record
+        except (RuntimeError, ValueError, AssertionError):
+            # already known in this process (torch 2.13 raises RuntimeError, 2.11
+            # asserts: seen on the GPU machine, where a second Runtime.load in one
+            # process failed here), or a damaged record
             pass
         return
     key = key_fn()

@@ -94,6 +94,34 @@ def test_torch_key_is_recorded_then_replayed_while_torch_is_unchanged(tmp_path, 
         codecache.torch_key.clear()  # the next user computes the real key
 
 
+def test_a_torch_key_already_known_in_the_process_is_kept(tmp_path, monkeypatch) -> None:
+    """torch 2.11's ``torch_key.set`` asserts that no key was computed yet (2.13
+    raises RuntimeError): a second Runtime.load in one process failed there on the
+    GPU machine. Both must leave the process's key as it is."""
+    from torch._inductor import codecache
+
+    from kiln.compiler import toolchain
+
+    memo = tmp_path / "torch-key.json"
+    memo.write_text(json.dumps({"digest": "same", "key": "ab" * 32}))
+    monkeypatch.setattr(toolchain, "_torch_tree_digest", lambda: "same")
+    for error in (AssertionError, RuntimeError):
+        calls = []
+
+        def known_key() -> bytes:
+            return b"known"
+
+        def refuse(value: bytes, error=error) -> None:
+            calls.append(value)
+            raise error()
+
+        known_key.set = refuse
+        monkeypatch.setattr(codecache, "torch_key", known_key)
+        toolchain.recorded_torch_key(memo)
+        assert calls == [bytes.fromhex("ab" * 32)]
+        assert codecache.torch_key() == b"known"
+
+
 @pytest.mark.parametrize("predicted, kernel_isa, vnni, trusted", [
     ({"name": "avx512 avx512_vnni", "avx512_bf16": True}, "avx512-bf16", True, True),
     ({"name": "avx512 avx512_vnni", "avx512_bf16": True}, "avx512", True, False),  # no bf16 built
