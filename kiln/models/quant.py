@@ -15,6 +15,12 @@ Formats (``FORMATS``):
 - ``q4``: 4-bit integers with a scale and an offset per 32 elements (GGUF's
   Q4_1, and Q4_0 with offset ``-8 * scale``).
 
+The per-block scales and offsets of ``q8_0`` and ``q4`` are fp16, as in the
+GGUF file, so nothing is rounded: kept as fp32 they made ``q8_0`` 1.125 bytes
+a weight instead of 1.0625 and ``q4`` 0.75 instead of 0.625, bytes a
+memory-bound decode step reads every step. ``int8``'s one scale per row stays
+fp32 (kiln computes it; its bytes do not matter).
+
 Packing: the integers go into 32-bit words, four bytes or eight nibbles each,
 interleaved so that one word lane holds elements ``w, w + 8, w + 16, ...`` of an
 8-word group. Unpacking byte (nibble) ``b`` of eight consecutive words then
@@ -72,7 +78,7 @@ QUANTIZATION_MODES = ("int8", "gguf", "int8-a8", "gguf-a8")
 ROUNDED_SUFFIX = "-a8"
 # Bumped when a mode's choice of packed layers or their layout changes: compiled
 # entries record it (through the cache key), as their graphs depend on both.
-QUANTIZATION_PLAN_VERSION = 1
+QUANTIZATION_PLAN_VERSION = 2  # 2: q8_0's and q4's scales and offsets fp16
 ACTIVATION_BLOCK = 32  # activations share one int8 scale per this many elements along K
 
 
@@ -103,10 +109,16 @@ class QuantFormat:
     def k_multiple(self) -> int:
         return max(self.group, self.block or 0)
 
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """The scales' and offsets' dtype: fp16 per block (GGUF's own), fp32 per row."""
+        return torch.float16 if self.block else torch.float32
+
     def nbytes(self, n: int, k: int) -> int:
         """Bytes of a packed ``[n, k]`` weight: words, scales, offsets."""
         scales = n * (k // self.block if self.block else 1)
-        return n * k * self.bits // 8 + 4 * scales * (2 if self.has_offsets else 1)
+        size = torch.empty((), dtype=self.scale_dtype).element_size()
+        return n * k * self.bits // 8 + size * scales * (2 if self.has_offsets else 1)
 
 
 _PACKINGS = [QuantFormat("int8", 8, None, False), QuantFormat("q8_0", 8, 32, False), QuantFormat("q4", 4, 32, True)]
@@ -132,18 +144,24 @@ def format_for(q: QuantizedTensor) -> QuantFormat:
 
 
 def pack(q: QuantizedTensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(words [N, K / group, 8] float32 bit patterns, scales [N, S], offsets or None)."""
+    """(words [N, K / group, 8] float32 bit patterns, scales [N, S], offsets or
+    None), the scales and offsets in ``fmt.scale_dtype``: GGUF's blocks hold
+    fp16 already, and Q4_0's offsets ``-8 * scale`` are fp16 too unless they
+    overflow it, which is refused."""
     n, k = q.values.shape
     if k % fmt.group:
         raise ValueError(f"row length {k} is not a multiple of {fmt.group} ({fmt.name} packing)")
+    scales, offsets = (t.to(fmt.scale_dtype).contiguous() if t is not None else None for t in (q.scales, q.offsets))
+    for name, t in (("scales", scales), ("offsets", offsets)):
+        if t is not None and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{q.source} {name}: a value is not finite in {fmt.scale_dtype} ({fmt.name} packing)")
     per = 32 // fmt.bits  # integers per word
     v = q.values.to(torch.int32) & ((1 << fmt.bits) - 1)
     v = v.view(n, k // fmt.group, per, 8)
     words = torch.zeros(n, k // fmt.group, 8, dtype=torch.int32)
     for b in range(per):
         words |= v[:, :, b, :] << (fmt.bits * b)
-    offsets = q.offsets.float().contiguous() if q.offsets is not None else None
-    return words.view(torch.float32), q.scales.float().contiguous(), offsets
+    return words.view(torch.float32), scales, offsets
 
 
 # The functions below are written with torch functions, operators and aten ops
@@ -273,8 +291,9 @@ class QuantizedLinear(nn.Module):
         self.fmt = fmt
         n, k = self.out_features, in_features
         self.register_buffer("words", torch.empty(n, k // fmt.group, 8))
-        self.register_buffer("scales", torch.empty(n, k // fmt.block if fmt.block else 1))
-        self.register_buffer("offsets", torch.empty(n, k // fmt.block) if fmt.has_offsets else None)
+        self.register_buffer("scales", torch.empty(n, k // fmt.block if fmt.block else 1, dtype=fmt.scale_dtype))
+        self.register_buffer("offsets", torch.empty(n, k // fmt.block, dtype=fmt.scale_dtype) if fmt.has_offsets
+                             else None)
         self.bias = nn.Parameter(torch.empty(n)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

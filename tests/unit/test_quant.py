@@ -25,12 +25,12 @@ def _random(fmt: str, seed: int = 0) -> QuantizedTensor:
     g = torch.Generator().manual_seed(seed)
     if fmt == "int8":
         return quantize_int8(torch.randn(N, K, generator=g))
-    scales = torch.rand(N, K // 32, generator=g) + 0.1
+    scales = (torch.rand(N, K // 32, generator=g) + 0.1).half().float()  # fp16 values, as GGUF's blocks hold
     if fmt == "q8_0":
         values = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
         return QuantizedTensor(values, scales, None, 8, "Q8_0")
     values = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
-    return QuantizedTensor(values, scales, torch.randn(N, K // 32, generator=g), 4, "Q4_1")
+    return QuantizedTensor(values, scales, torch.randn(N, K // 32, generator=g).half().float(), 4, "Q4_1")
 
 
 def _reference(q: QuantizedTensor) -> torch.Tensor:
@@ -52,8 +52,20 @@ def test_packing_holds_exactly_the_values_and_scales(fmt: str) -> None:
     words, scales, offsets = pack(q, FORMATS[fmt])
     assert words.dtype == torch.float32 and words.shape == (N, K // FORMATS[fmt].group, 8)
     assert torch.equal(dequantize(words, scales, offsets, FORMATS[fmt]), _reference(q))
-    packed = words.numel() * 4 + scales.numel() * 4 + (offsets.numel() * 4 if offsets is not None else 0)
+    # GGUF's blocks keep their fp16 scales and offsets; int8's row scale is kiln's own fp32
+    assert scales.dtype == (torch.float32 if fmt == "int8" else torch.float16)
+    assert offsets is None or offsets.dtype == torch.float16
+    packed = sum(t.numel() * t.element_size() for t in (words, scales, offsets) if t is not None)
     assert packed == FORMATS[fmt].nbytes(N, K)
+    assert FORMATS[fmt].nbytes(N, K) == {"int8": N * K + 4 * N, "q8_0": N * K * 34 // 32, "q4": N * K * 20 // 32}[fmt]
+
+
+def test_a_scale_beyond_fp16_is_refused() -> None:
+    """Q4_0's offsets are ``-8 * scale``: a scale above 8188 would overflow fp16."""
+    q = _random("q4")
+    q.offsets[3, 1] = -8 * 10000.0
+    with pytest.raises(ValueError, match="Q4_1 offsets: a value is not finite in torch.float16"):
+        pack(q, FORMATS["q4"])
 
 
 @pytest.mark.parametrize("fmt", PACKINGS)
