@@ -659,11 +659,11 @@ static inline __attribute__((always_inline)) void rows_dense(
  * else fp32 rows. ``scales``: int8's fp32 row scales, else fp16 block scales
  * (with q4's fp16 ``offsets``), converted in the loops where they are used.
  * Scratch timings against fp32 scales, one row, 2 threads, weights from
- * DRAM, 2 cores of an AMD EPYC: q8_0 2-9% faster (6% fewer bytes; the
- * 49152 x 576 LM head 2-9%), q4 0-3% faster. Widening each row's scales to
- * fp32 in a buffer first was slower at K = 576 (18 blocks a row): q4 6-13%,
- * the q8_0 head up to 5%, as the loop's loads waited on the stores just
- * made. */
+ * DRAM, 2 cores of an AMD EPYC: q8_0 6-7.5% faster (6% fewer bytes; the
+ * 49152 x 576 LM head too), q4 2-4%; whole decode steps 5% (Q8_0) and 3%
+ * (Q4_1) shorter. Widening each row's scales to fp32 in a buffer first was
+ * slower at K = 576 (18 blocks a row): q4 6-13%, the q8_0 head up to 5%, as
+ * the loop's loads waited on the stores just made. */
 static inline __attribute__((always_inline)) void rows_packed(
         int kind, int vnni, const void *xa, const float *xsum, const int m, int64_t k, const int32_t *words,
         const void *scales, const void *offsets, int64_t j0, int64_t j1, const void *bias, void *out,

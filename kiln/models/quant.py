@@ -322,7 +322,10 @@ class QuantizedLinear(nn.Module):
         if format_for(q).packing != self.fmt.packing:
             raise CheckpointError(f"{source} is stored as {q.source}, which packs as {format_for(q).name}, "
                                   f"but its layer was planned as {self.fmt.packing}")
-        words, scales, offsets = pack(q, self.fmt)
+        try:
+            words, scales, offsets = pack(q, self.fmt)
+        except ValueError as e:
+            raise CheckpointError(f"{source}: {e}") from e
         self.words[start:start + rows].copy_(words)
         self.scales[start:start + rows].copy_(scales)
         if self.offsets is not None and offsets is not None:

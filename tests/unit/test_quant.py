@@ -66,6 +66,9 @@ def test_a_scale_beyond_fp16_is_refused() -> None:
     q.offsets[3, 1] = -8 * 10000.0
     with pytest.raises(ValueError, match="Q4_1 offsets: a value is not finite in torch.float16"):
         pack(q, FORMATS["q4"])
+    layer = QuantizedLinear(K, [N], False, FORMATS["q4"])
+    with pytest.raises(CheckpointError, match=r"^m\.gguf: blk\.0\.ffn_up\.weight: Q4_1 offsets: a value is not finite"):
+        layer.load(None, q, "m.gguf: blk.0.ffn_up.weight")
 
 
 @pytest.mark.parametrize("fmt", PACKINGS)
