@@ -107,34 +107,34 @@ def build(inductor_dir: Path, kinds: set[str] | frozenset[str] | None = None) ->
 
 @dataclass(frozen=True)
 class LinearPolicy:
-    """Which linears of a few-token CPU piece call the kernel, given the
-    instruction set it was built with (``CpuLinearKernel.isa``): bf16 at any
-    count, every kind from two tokens on, and at one token the packed kinds
-    where the kernel has AVX-512. Elsewhere at one token Inductor's reductions,
-    fused into the piece, do as well as the kernel and save a call's 15-20 us.
+    """Which linears of a few-token CPU piece call the kernel: bf16 and the
+    packed kinds at any count, fp32 from two tokens on. At one token an fp32
+    linear stays Inductor's reduction, fused into the piece, which does as
+    well as the kernel and saves a call.
 
-    Whole decode steps of the 135M shape at one token, kiln -O2 (scratch
-    runs, 63 new tokens, fresh processes one after another):
+    Whole decode steps of the 135M shape at one token, kiln -O2, fresh
+    processes, the median step of 128 new tokens (scratch runs, 2026-12-04):
 
-    - AVX2 (an AMD EPYC): fp32 20.8-21.3 tok/s in Inductor against 17.7-19.3
-      with the kernel, int8 36.8-41.4 against 28.4-32.5, bf16 24.5-28.7 with
-      the kernel against 21.3-22.7;
+    - AVX2 (an AMD EPYC, Zen 3, `sum` about 16-21 GB/s): Q8_0 51-55 tok/s in
+      Inductor against 96-104 with the kernel, Q4_1 43-44 against 87-91, int8
+      60-63 against 99-111 (Inductor's loop over the packed words is bound by
+      its unpacking there, the kernel by the memory); fp32 30-34 in Inductor
+      against 27-30 with the kernel. Until then the packed kinds stayed in
+      Inductor at one token on AVX2, from runs that predated the kernel's
+      prefetch, its extension-module call and the C replay of a step's calls.
     - AVX-512 with AVX512-BF16 (an Intel Xeon): fp32 36.6-40.9 in Inductor
       against 33.4-36.2 with the kernel (38.8-40.6 against 35.7-39.9 once the
       kernel prefetched its weights); int8 22.0-22.6 in Inductor against
       63.0-63.6 with the kernel (78.2-83.3 with the prefetch), whose 16-lane
       unpacking Inductor's loop does not match."""
 
-    isa: str  # "avx512-bf16", "avx512" or "avx2"
     kinds: frozenset[str] = frozenset(_KINDS)  # the kinds the library was built with
 
     def takes(self, kind: str, tokens: int) -> bool:
         """Whether a piece of ``tokens`` rows calls the kernel for a linear of ``kind``."""
         if kind not in self.kinds:
             return False
-        if kind == "bf16" or tokens >= 2:
-            return True
-        return kind in PACKED_KINDS and self.isa.startswith("avx512")
+        return kind == "bf16" or kind in PACKED_KINDS or tokens >= 2
 
 
 class CpuLinearKernel:
@@ -151,7 +151,7 @@ class CpuLinearKernel:
         except AttributeError:  # a library built before kinds were chosen holds every kind
             mask = _mask(frozenset(_KINDS))
         self.kinds = frozenset(k for k, code in _KINDS.items() if mask >> (code & ~_ROUND_X) & 1)
-        self.policy = LinearPolicy(self.isa, self.kinds)
+        self.policy = LinearPolicy(self.kinds)
         # the "-a8" kinds: products of the packed integers and the int8-rounded
         # activations summed as integers (AVX512-VNNI), else of the same values in fp32
         self.vnni: bool = bool(library.kiln_linear_vnni())

@@ -189,16 +189,15 @@ def _graph(dtype: torch.dtype, tokens: int, packed: bool) -> fx.GraphModule:
     return fx.GraphModule(torch.nn.Module(), graph)
 
 
-@pytest.mark.parametrize("isa, dtype, tokens, packed, calls", [
-    ("avx2", torch.float32, 1, True, 0),  # Inductor's fused reductions at one token, fp32 and packed
-    ("avx512", torch.float32, 1, True, 1),  # with AVX-512 the kernel unpacks faster: the packed linear calls it
-    ("avx512-bf16", torch.float32, 1, False, 0),  # fp32 at one token stays in Inductor everywhere
-    ("avx2", torch.float32, 2, True, 2),
-    ("avx2", torch.bfloat16, 1, False, 1),  # bf16 always
-    ("avx512", torch.float16, 2, False, 0),  # a dtype the kernel does not take
+@pytest.mark.parametrize("dtype, tokens, packed, calls", [
+    (torch.float32, 1, True, 1),  # at one token the packed linear calls the kernel, fp32 stays a reduction
+    (torch.float32, 1, False, 0),  # fp32 at one token stays in Inductor
+    (torch.float32, 2, True, 2),
+    (torch.bfloat16, 1, False, 1),  # bf16 always
+    (torch.float16, 2, False, 0),  # a dtype the kernel does not take
 ])
-def test_the_rewrite_calls_the_kernel_where_it_pays(isa: str, dtype, tokens: int, packed: bool, calls: int) -> None:
-    policy = cpu_linear.LinearPolicy(isa)
+def test_the_rewrite_calls_the_kernel_where_it_pays(dtype, tokens: int, packed: bool, calls: int) -> None:
+    policy = cpu_linear.LinearPolicy()
     gm, rewritten = decompose_linears(_graph(dtype, tokens, packed), tokens, policy)
     ops = [n for n in gm.graph.nodes if n.target is cpu_linear.cpu_linear]
     assert len(ops) == calls
@@ -209,7 +208,7 @@ def test_the_rewrite_calls_the_kernel_where_it_pays(isa: str, dtype, tokens: int
 
 
 def test_a_policy_without_a_kind_leaves_its_linears_to_inductor() -> None:
-    policy = cpu_linear.LinearPolicy("avx512", frozenset({"f32"}))
+    policy = cpu_linear.LinearPolicy(frozenset({"f32"}))
     assert policy.takes("f32", 2) and not policy.takes("bf16", 2) and not policy.takes("int8", 1)
     gm, rewritten = decompose_linears(_graph(torch.float32, 2, True), 2, policy)
     assert [n.args[-1] for n in gm.graph.nodes if n.target is cpu_linear.cpu_linear] == ["f32"]
@@ -220,9 +219,9 @@ def test_kernel_takes_all_says_whether_any_linear_stays_a_reduction() -> None:
     from kiln.compiler.gemv import kernel_takes_all
 
     graph = _graph(torch.float32, 2, True)
-    assert kernel_takes_all(graph, 2, cpu_linear.LinearPolicy("avx2"))
-    assert not kernel_takes_all(graph, 1, cpu_linear.LinearPolicy("avx2"))  # fp32 at one token: a reduction
-    assert not kernel_takes_all(graph, 2, cpu_linear.LinearPolicy("avx2", frozenset({"f32"})))
+    assert kernel_takes_all(graph, 2, cpu_linear.LinearPolicy())
+    assert not kernel_takes_all(graph, 1, cpu_linear.LinearPolicy())  # fp32 at one token: a reduction
+    assert not kernel_takes_all(graph, 2, cpu_linear.LinearPolicy(frozenset({"f32"})))
 
 
 def _model(dtype: torch.dtype, packed: str | None, head_dtype: torch.dtype) -> torch.nn.Module:
