@@ -12,7 +12,8 @@ import torch
 from kiln import CompilationConfig, CUDAGraphMode, Runtime, SamplingParams
 from kiln.compiler import TokenCountError
 from kiln.compiler import capture as capture_module
-from kiln.compiler import onednn
+from kiln.compiler import cpu_linear, onednn
+from kiln.compiler.pipeline import WIDENED_HEAD_MAX_ROWS
 from tests.conftest import CPU_LM_HEADS, build_hf_model, hf_greedy, load_eager, random_prompts, save_checkpoint
 from tests.test_models import VARIANTS
 
@@ -158,6 +159,27 @@ def test_the_lm_head_is_the_c_kernel_up_to_eight_rows(compiled_llama) -> None:
         elif onednn.available(hidden.device):
             assert torch.equal(logits, onednn.implementation(hidden, weight, None))
         torch.testing.assert_close(logits, hidden @ weight.T, atol=1e-4, rtol=1e-4)
+
+
+def test_a_bf16_head_onednn_would_widen_is_the_c_kernel_up_to_64_rows(compiled_llama, tmp_path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where oneDNN has no bf16 kernels its op widens bf16 to fp32 (the whole
+    head per call): the C kernel, 8 rows a call, is faster up to 64 rows. The
+    fp32 model's kernel holds only fp32, so a build with every kind stands in."""
+    compiled = compiled_llama[0].compiled.model
+    if compiled.linear_kernel is not None:
+        monkeypatch.setattr(compiled, "linear_kernel", cpu_linear.CpuLinearKernel(tmp_path / cpu_linear.build(tmp_path)))
+    kernel = compiled.linear_kernel
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(300, 64, generator=g).bfloat16()
+    for rows in (9, 64, 65):
+        hidden = torch.randn(rows, 64, generator=g).bfloat16()
+        logits = compiled._native_head(hidden, [weight], None)
+        if kernel is not None and torch.bfloat16 in onednn.WIDENED and rows <= WIDENED_HEAD_MAX_ROWS:
+            assert logits is not None and torch.equal(logits, kernel(hidden, weight, None, None, None, "bf16"))
+            torch.testing.assert_close(logits.float(), hidden.float() @ weight.float().T, atol=0.05, rtol=2 ** -7)
+        else:
+            assert logits is None  # the head's other paths: oneDNN, compiled heads or torch
 
 
 def test_user_compile_sizes_reach_the_runtime(llama_checkpoint) -> None:

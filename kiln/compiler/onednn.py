@@ -28,7 +28,18 @@ pieces stopped giving the eager model's greedy tokens
 (tests/test_models.py::test_bf16_compiled_pieces_give_the_eager_tokens: the
 second token of a 5-token prompt), which the linear's own bits do not
 explain (they equal ``F.linear``'s); the surrounding fusion changed, and the
-cause is not pinned down. The weights are reordered when the compiled
+cause is not pinned down.
+
+Where oneDNN has no bf16 kernels for the CPU (AVX2 without AVX-512), torch's
+bf16 linear runs an emulation: on 2 cores of a Zen 3 EPYC, 512 rows of the
+135M shape's 576 -> 1536 layer took 52 ms, its fp32 product 5.8, and the fp32
+product of the operands widened to fp32 on the call 6.4 (the same bits up to
+the order of the sums); 8.1x at 512 rows, 4.9x at 64, 3.4x at 16 (scratch
+timings, 2026-12-04). There the bf16 linears of the many-row pieces take
+this op too (``WIDENED``): their input, weight and bias are widened to fp32
+for the product, which is rounded to bf16 once, as the few-token pieces' C
+kernel does. The widened weights are not kept: a copy per call costs a
+pass over the weight, against holding every weight three times. The weights are reordered when the compiled
 pieces are loaded, in a thread of their own (``prepack``), and each copy kept
 while its weight lives: the linear weights are then held twice, as they are
 for the few-token pieces (``kiln.compiler.cpu_linear``, faster there) and
@@ -58,7 +69,7 @@ from torch import fx
 
 from kiln.models.memory import lowest_priority
 
-__all__ = ["DTYPES", "REWRITE_DTYPES", "available", "implementation", "onednn_linear", "packed", "packed_bytes",
+__all__ = ["DTYPES", "REWRITE_DTYPES", "WIDENED", "available", "implementation", "onednn_linear", "packed", "packed_bytes",
            "prepack", "rewrite_linears", "takes"]
 
 
@@ -77,15 +88,24 @@ def _dtypes() -> frozenset[torch.dtype]:
 
 
 DTYPES = _dtypes()
+# dtypes the op computes in fp32, its operands widened on each call, where
+# oneDNN has no kernels for them (see above)
+WIDENED = frozenset({torch.bfloat16}) - DTYPES
 # what ``rewrite_linears`` routes to the op inside compiled pieces (see above for bf16)
-REWRITE_DTYPES = frozenset({torch.float32})
+REWRITE_DTYPES = frozenset({torch.float32}) | WIDENED
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the op computes ``linear(x, weight)``: both on CPU, of one of
-    ``DTYPES``."""
-    return (x.dtype == weight.dtype and x.dtype in DTYPES
+    ``DTYPES`` or ``WIDENED``."""
+    return (x.dtype == weight.dtype and (x.dtype in DTYPES or x.dtype in WIDENED)
             and x.device.type == "cpu" and weight.device.type == "cpu")
+
+
+def _reorderable(weight: torch.Tensor) -> bool:
+    """Whether ``prepack`` keeps a reordered copy of ``weight``: a 2-D CPU
+    weight of a dtype oneDNN computes as it is (not a widened one)."""
+    return weight.dim() == 2 and weight.dtype in DTYPES and weight.device.type == "cpu"
 
 
 # The rows oneDNN is told to expect when it picks a weight's blocked layout;
@@ -118,13 +138,13 @@ def _key(weight: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
 
 
 def prepack(weights: Iterable[torch.Tensor], *, background: bool = False) -> tuple[int, threading.Thread | None]:
-    """Reorder those of ``weights`` the op takes (``takes``, 2-D); returns the
+    """Reorder those of ``weights`` the op takes as they are (``_reorderable``); returns the
     bytes their copies take (a weight listed twice, as a tied LM head is,
     counted once) and, with ``background``, the thread reordering them, at
     the lowest CPU priority: the op uses each weight as it is until its copy
     is there, with the same result, so a start need not wait the 0.3 s the
     135M shape's fp32 weights take."""
-    unique = {_key(w): w for w in weights if w.dim() == 2 and takes(w, w)}
+    unique = {_key(w): w for w in weights if _reorderable(w)}
     todo = list(unique.values())
     nbytes = sum(w.numel() * w.element_size() for w in todo)
 
@@ -150,8 +170,13 @@ def packed_bytes() -> int:
 
 def implementation(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` by oneDNN, on ``weight``'s reordered copy
-    where ``prepack`` made one, else on ``weight`` as it is (exported code
-    calls it directly, ``kiln.compiler.replay``)."""
+    where ``prepack`` made one, else on ``weight`` as it is; a ``WIDENED``
+    dtype's operands widened to fp32 and the product rounded back once
+    (exported code calls it directly, ``kiln.compiler.replay``)."""
+    if x.dtype in WIDENED:
+        wide = torch.ops.mkldnn._linear_pointwise(x.float().contiguous(), weight.float(),
+                                                  None if bias is None else bias.float(), "none", [], "")
+        return wide.to(x.dtype)
     copy_ = _PACKED.get(_key(weight))
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight if copy_ is None else copy_, bias, "none", [],
                                               "")
@@ -190,11 +215,11 @@ def _qualifies(node: fx.Node) -> bool:
 
 
 def rewrite_linears(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
-    """A copy of ``gm`` whose fp32 CPU linears call ``kiln::onednn_linear``,
+    """A copy of ``gm`` whose fp32 (and ``WIDENED``) CPU linears call ``kiln::onednn_linear``,
     and how many were rewritten (``gm`` itself when none is). A linear
     qualifies when its weight is an input of the graph (a parameter, which
     lives as long as the model) and the trace recorded its input and weight
-    as fp32 tensors the op takes (``REWRITE_DTYPES``, ``takes``); packed linears lowered to ``dequantize`` +
+    as tensors of ``REWRITE_DTYPES`` the op takes (``takes``); packed linears lowered to ``dequantize`` +
     ``linear`` keep ``linear``."""
     if not any(_qualifies(node) for node in gm.graph.nodes):
         return gm, 0

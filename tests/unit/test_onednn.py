@@ -17,7 +17,7 @@ from kiln.models.quant import FORMATS, dequantize, pack, quantize_int8, quantize
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
 
-@pytest.mark.parametrize("dtype", sorted(onednn.DTYPES, key=str))
+@pytest.mark.parametrize("dtype", sorted(onednn.DTYPES | onednn.WIDENED, key=str))
 @pytest.mark.parametrize("rows", [1, 5, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_op_computes_linear(rows: int, bias: bool, dtype: torch.dtype) -> None:
@@ -37,13 +37,20 @@ def test_the_op_computes_linear(rows: int, bias: bool, dtype: torch.dtype) -> No
     torch.testing.assert_close(onednn.implementation(xt, w, b), F.linear(xt, w, b), **tol)
 
 
-def test_bf16_where_onednn_has_its_kernels() -> None:
+def test_bf16_where_onednn_has_its_kernels_else_widened() -> None:
     assert torch.float32 in onednn.DTYPES
-    assert (torch.bfloat16 in onednn.DTYPES) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    if torch.bfloat16 in onednn.DTYPES:  # bf16 F.linear runs oneDNN too: the reordered weight gives its bits
-        g = torch.Generator().manual_seed(1)
-        x, w = torch.randn(33, 96, generator=g).bfloat16(), torch.randn(160, 96, generator=g).bfloat16()
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert (torch.bfloat16 in onednn.DTYPES) == native and (torch.bfloat16 in onednn.WIDENED) == (not native)
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(33, 96, generator=g).bfloat16(), torch.randn(160, 96, generator=g).bfloat16()
+    b = torch.randn(160, generator=g).bfloat16()
+    if native:  # bf16 F.linear runs oneDNN too: the reordered weight gives its bits
         assert torch.equal(onednn.implementation(x, w, None), F.linear(x, w))
+    else:  # fp32 sums of the bf16 values, rounded once: the exact product rounded, up to the sums' order
+        got = onednn.implementation(x, w, b)
+        assert got.dtype == torch.bfloat16
+        exact = F.linear(x.double(), w.double(), b.double())
+        torch.testing.assert_close(got.double(), exact.bfloat16().double(), rtol=2 ** -7, atol=1e-3)
 
 
 def test_the_fake_has_the_output_shape() -> None:
@@ -83,10 +90,18 @@ def test_the_rewrite_routes_fp32_linears_and_keeps_their_result(bias: bool) -> N
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_rewrite_leaves_other_dtypes(dtype: torch.dtype) -> None:
-    """bf16 too, though the op takes it: see the module's docstring."""
+    """bf16 too where oneDNN has bf16 kernels, though the op takes it: see the
+    module's docstring. Where it has none, bf16 is widened to fp32 in the op."""
     gm = _graph(dtype)
     new, rewritten = onednn.rewrite_linears(gm)
-    assert (new, rewritten) == (gm, 0)
+    if dtype in onednn.WIDENED:
+        assert rewritten == 1
+        assert [n.target for n in new.graph.nodes if n.op == "call_function"] == [onednn.onednn_linear]
+        g = torch.Generator().manual_seed(3)
+        x, w = torch.randn(8, 64, generator=g).to(dtype), torch.randn(32, 64, generator=g).to(dtype)
+        torch.testing.assert_close(new(x, w)[0], gm(x, w)[0], rtol=2 ** -7, atol=1e-2)
+    else:
+        assert (new, rewritten) == (gm, 0)
 
 
 def test_the_rewrite_leaves_a_weight_computed_in_the_graph() -> None:
@@ -110,7 +125,7 @@ def test_the_rewrite_leaves_linears_without_a_recorded_input() -> None:
 
 def test_takes_one_dtype_on_cpu() -> None:
     f32, b16 = torch.empty(2, 4), torch.empty(2, 4, dtype=torch.bfloat16)
-    assert onednn.takes(f32, f32)
+    assert onednn.takes(f32, f32) and onednn.takes(b16, b16)  # bf16 natively or widened
     assert not onednn.takes(f32, b16) and not onednn.takes(b16, f32)
     assert not onednn.takes(f32.half(), f32.half())
     assert onednn.available(torch.device("cpu"))
@@ -142,9 +157,10 @@ def test_prepack_counts_a_tied_weight_once_and_skips_what_the_op_does_not_take(b
     w = torch.randn(64, 32)
     half = torch.randn(64, 32, dtype=torch.float16)
     vector = torch.randn(32)
+    b16 = torch.randn(64, 32).bfloat16()  # reordered where oneDNN has bf16 kernels; widened per call, not kept, else
     before = onednn.packed_bytes()
-    nbytes, thread = onednn.prepack([w, w, half, vector], background=background)
-    assert nbytes == 64 * 32 * 4
+    nbytes, thread = onednn.prepack([w, w, half, vector, b16], background=background)
+    assert nbytes == 64 * 32 * 4 + (64 * 32 * 2 if torch.bfloat16 in onednn.DTYPES else 0)
     assert (thread is not None) == background
     if thread is not None:
         thread.join(timeout=60)
@@ -158,7 +174,8 @@ def test_prepack_counts_a_tied_weight_once_and_skips_what_the_op_does_not_take(b
 def test_a_lowered_packed_linear_multiplies_its_dequantized_weight_through_onednn(dtype: torch.dtype) -> None:
     """Many-row pieces: an fp32 packed linear's dequantized weight goes to the
     op as it is (MKL's sgemm ran it at less than half the speed on an AMD
-    EPYC); bf16 keeps ``linear``, as the rewrite leaves bf16 linears."""
+    EPYC); bf16 keeps ``linear``, as the rewrite leaves bf16 linears, except
+    where the op widens bf16."""
     graph = fx.Graph()
     x, words, scales = graph.placeholder("x"), graph.placeholder("words"), graph.placeholder("scales")
     x.meta["example_value"] = torch.empty(40, 64, dtype=dtype)
@@ -169,8 +186,8 @@ def test_a_lowered_packed_linear_multiplies_its_dequantized_weight_through_onedn
     graph.output((out,))
     gm = lower_quantized(fx.GraphModule(torch.nn.Module(), graph), torch.device("cpu"))
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    assert (onednn.onednn_linear in targets) == (dtype == torch.float32)
-    assert (F.linear in targets) == (dtype != torch.float32)
+    assert (onednn.onednn_linear in targets) == (dtype in onednn.REWRITE_DTYPES)
+    assert (F.linear in targets) == (dtype not in onednn.REWRITE_DTYPES)
     g = torch.Generator().manual_seed(2)
     w = torch.randn(16, 64, generator=g)
     q = quantize_int8(w)
