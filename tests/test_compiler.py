@@ -168,7 +168,8 @@ def test_a_bf16_head_onednn_would_widen_is_the_c_kernel_up_to_64_rows(compiled_l
     fp32 model's kernel holds only fp32, so a build with every kind stands in."""
     compiled = compiled_llama[0].compiled.model
     if compiled.linear_kernel is not None:
-        monkeypatch.setattr(compiled, "linear_kernel", cpu_linear.CpuLinearKernel(tmp_path / cpu_linear.build(tmp_path)))
+        every_kind = cpu_linear.CpuLinearKernel(tmp_path / cpu_linear.build(tmp_path))
+        monkeypatch.setattr(compiled, "linear_kernel", every_kind)
     kernel = compiled.linear_kernel
     g = torch.Generator().manual_seed(7)
     weight = torch.randn(300, 64, generator=g).bfloat16()

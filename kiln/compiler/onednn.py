@@ -39,7 +39,9 @@ timings, 2026-12-04). There the bf16 linears of the many-row pieces take
 this op too (``WIDENED``): their input, weight and bias are widened to fp32
 for the product, which is rounded to bf16 once, as the few-token pieces' C
 kernel does. The widened weights are not kept: a copy per call costs a
-pass over the weight, against holding every weight three times. The weights are reordered when the compiled
+pass over the weight, against holding every weight three times.
+
+The fp32 (and natively computed bf16) weights are reordered when the compiled
 pieces are loaded, in a thread of their own (``prepack``), and each copy kept
 while its weight lives: the linear weights are then held twice, as they are
 for the few-token pieces (``kiln.compiler.cpu_linear``, faster there) and
@@ -69,8 +71,8 @@ from torch import fx
 
 from kiln.models.memory import lowest_priority
 
-__all__ = ["DTYPES", "REWRITE_DTYPES", "WIDENED", "available", "implementation", "onednn_linear", "packed", "packed_bytes",
-           "prepack", "rewrite_linears", "takes"]
+__all__ = ["DTYPES", "REWRITE_DTYPES", "WIDENED", "available", "implementation", "onednn_linear", "packed",
+           "packed_bytes", "prepack", "rewrite_linears", "takes"]
 
 
 def available(device: torch.device) -> bool:
@@ -138,8 +140,8 @@ def _key(weight: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
 
 
 def prepack(weights: Iterable[torch.Tensor], *, background: bool = False) -> tuple[int, threading.Thread | None]:
-    """Reorder those of ``weights`` the op takes as they are (``_reorderable``); returns the
-    bytes their copies take (a weight listed twice, as a tied LM head is,
+    """Reorder those of ``weights`` the op takes as they are
+    (``_reorderable``); returns the bytes their copies take (a weight listed twice, as a tied LM head is,
     counted once) and, with ``background``, the thread reordering them, at
     the lowest CPU priority: the op uses each weight as it is until its copy
     is there, with the same result, so a start need not wait the 0.3 s the
@@ -215,12 +217,13 @@ def _qualifies(node: fx.Node) -> bool:
 
 
 def rewrite_linears(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
-    """A copy of ``gm`` whose fp32 (and ``WIDENED``) CPU linears call ``kiln::onednn_linear``,
-    and how many were rewritten (``gm`` itself when none is). A linear
-    qualifies when its weight is an input of the graph (a parameter, which
-    lives as long as the model) and the trace recorded its input and weight
-    as tensors of ``REWRITE_DTYPES`` the op takes (``takes``); packed linears lowered to ``dequantize`` +
-    ``linear`` keep ``linear``."""
+    """A copy of ``gm`` whose fp32 (and ``WIDENED``) CPU linears call
+    ``kiln::onednn_linear``, and how many were rewritten (``gm`` itself when
+    none is). A linear qualifies when its weight is an input of the graph (a
+    parameter, which lives as long as the model) and the trace recorded its
+    input and weight as tensors of ``REWRITE_DTYPES`` the op takes
+    (``takes``); packed linears lowered to ``dequantize`` + ``linear`` keep
+    ``linear``."""
     if not any(_qualifies(node) for node in gm.graph.nodes):
         return gm, 0
     graph = copy.deepcopy(gm.graph)  # node by node; metadata is shared, not copied
