@@ -117,11 +117,10 @@ class LinearPolicy:
 
     - AVX2 (an AMD EPYC, Zen 3, `sum` about 16-21 GB/s): Q8_0 51-55 tok/s in
       Inductor against 96-104 with the kernel, Q4_1 43-44 against 87-91, int8
-      60-63 against 99-111 (Inductor's loop over the packed words is bound by
-      its unpacking there, the kernel by the memory); fp32 30-34 in Inductor
-      against 27-30 with the kernel. Until then the packed kinds stayed in
-      Inductor at one token on AVX2, from runs that predated the kernel's
-      prefetch, its extension-module call and the C replay of a step's calls.
+      60-63 against 99-111; fp32 30-34 in Inductor against 27-30 with the
+      kernel. Until then the packed kinds stayed in Inductor at one token on
+      AVX2, from runs that predated the kernel's prefetch, its
+      extension-module call and the C replay of a step's calls.
     - AVX-512 with AVX512-BF16 (an Intel Xeon): fp32 36.6-40.9 in Inductor
       against 33.4-36.2 with the kernel (38.8-40.6 against 35.7-39.9 once the
       kernel prefetched its weights); int8 22.0-22.6 in Inductor against
