@@ -308,12 +308,19 @@ def render_gemv(report: dict[str, Any]) -> str:
 # -------------------------------------------------------------------- quant kernels
 
 
+def packings() -> dict[str, Any]:
+    """kiln's packed layouts (``kiln.models.quant.FORMATS`` without the
+    ``-a8`` modes, which store the same words and round the activations):
+    the weights measured here take fp32 activations."""
+    from kiln.models.quant import FORMATS
+
+    return {name: f for name, f in FORMATS.items() if not f.round_activations}
+
+
 def quant_forms() -> dict[str, tuple[str, str]]:
     """name -> (kiln.models.quant format, what its words are passed as): the
     packed forms measured against the fp32 reduction."""
-    from kiln.models.quant import FORMATS
-
-    return {**{name: (name, "float32") for name in FORMATS}, "q8_0 int32 words": ("q8_0", "int32")}
+    return {**{name: (name, "float32") for name in packings()}, "q8_0 int32 words": ("q8_0", "int32")}
 
 
 def quantized_weight(fmt_name: str, weight: torch.Tensor, gen: torch.Generator) -> Any:
@@ -371,7 +378,7 @@ def measure_quant_case(name: str, shape: tuple[int, int], tokens: int, repeats: 
                                   fp32_bytes, repeats, batch_seconds)
         forms.append({"form": "fp32", "call": "torch.compile((x[:, None, :] * W).sum(-1))",
                       "error_vs": "x @ W.T", **base})
-        packed = {f: pack(quantized_weight(f, weight, gen), FORMATS[f]) for f in FORMATS}
+        packed = {f: pack(quantized_weight(f, weight, gen), fmt_) for f, fmt_ in packings().items()}
         for form, (f, words_as) in quant_forms().items():
             fmt_ = FORMATS[f]
             words, scales, offsets = packed[f]
@@ -601,7 +608,7 @@ def measure_cpu_linear_case(kernel: Any, name: str, shape: tuple[int, int], toke
                             batch_seconds: float) -> dict[str, Any]:
     """For fp32, bf16 and each packed format: what kiln ran before the C kernel
     (Inductor's reduction, or ``mm`` for bf16) against the kernel."""
-    from kiln.models.quant import FORMATS, dequantize, pack, reduction
+    from kiln.models.quant import dequantize, pack, reduction
 
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(shape, generator=gen) * 0.02
@@ -619,7 +626,7 @@ def measure_cpu_linear_case(kernel: Any, name: str, shape: tuple[int, int], toke
             mm = time_per_call(lambda: F.linear(xd, next(nxt)[0]), repeats=repeats, min_batch_seconds=batch_seconds)
             rows.append({"form": kind, "inductor_reduction": inductor, "mm": mm,
                          "kernel": _kernel_form(kernel, kind, xd, copies, ref, nbytes, repeats, batch_seconds)})
-        for f, fmt_ in FORMATS.items():
+        for f, fmt_ in packings().items():
             words, scales, offsets = pack(quantized_weight(f, weight, gen), fmt_)
             ref = x @ dequantize(words, scales, offsets, fmt_).T
             nbytes = fmt_.nbytes(*shape)

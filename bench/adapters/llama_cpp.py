@@ -9,6 +9,7 @@ in this repository; ``bench.llama_cpp`` takes the directory of a build of it.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,8 @@ class LlamaBench(Engine):
     def run_once(self) -> dict[str, Any]:
         done = subprocess.run(self.cmd, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"llama-bench failed ({done.returncode}): {done.stderr[-2000:]}")
+            raise RuntimeError(f"llama-bench failed ({exit_reason(done.returncode)}): {' '.join(self.cmd)}: "
+                               f"{done.stderr[-2000:]}")
         rows = json.loads(done.stdout)
         pp = [r for r in rows if r["n_prompt"] == PREFILL_TOKENS and r["n_gen"] == 0]
         tg = [r for r in rows if r["n_gen"] == DECODE_TOKENS and r["n_prompt"] == 0]
@@ -56,6 +58,20 @@ class LlamaBench(Engine):
 
     def summary(self, runs: list[dict[str, Any]]) -> dict[str, Any]:
         return {**rate_summary(self.engine, self.label, runs), **self.info}
+
+
+def exit_reason(returncode: int) -> str:
+    """A child's exit status as a reader wants it: ``exit status 1``, or the
+    signal that killed it (``killed by SIGSEGV``: a llama.cpp build for
+    ``-march=native`` faulted in its AMX int8 code on prompts of a quantized
+    file on one machine here, while ``tg128`` ran; its build without AMX ran
+    both)."""
+    if returncode >= 0:
+        return f"exit status {returncode}"
+    try:
+        return f"killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"killed by signal {-returncode}"
 
 
 def rate_summary(engine: str, label: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
