@@ -1,4 +1,4 @@
-"""CPU micro-benchmarks behind six of kiln's design choices.
+"""CPU micro-benchmarks behind kiln's design choices, and one machine limit.
 
 Run from the repository root::
 
@@ -8,6 +8,7 @@ Run from the repository root::
     python -m bench.cpu_kernels --only decode-attention
     python -m bench.cpu_kernels --only cpu-linear
     python -m bench.cpu_kernels --only many-rows
+    python -m bench.cpu_kernels --only step-linears
     python -m bench.cpu_kernels --smoke            # a check of this script: few calls, one small case
 
 * ``op-overhead``: the cost per call of reaching kiln's attention op through the
@@ -54,6 +55,18 @@ Run from the repository root::
   every call) and with the weight reordered once (``kiln::onednn_linear``,
   what kiln's many-row pieces call: ``kiln.compiler.onednn``). Reported in ms and GFLOP/s
   (2 x rows x out x in over time). Weight copies are cycled as in ``gemv``.
+* ``step-linears``: every linear layer of a 135M-shape step (30 layers' q/k/v,
+  o, gate/up and down weights, each its own tensor as in a model, so that a
+  step streams 425 MB of fp32 layer weights, and the 49152-row LM head), by
+  ``kiln::onednn_linear`` on reordered weights, as kiln's many-row pieces run
+  them, at 16, 32, 48 and 64 rows (the decode steps of ``bench.decode
+  --throughput 64``'s mixed lengths) and 512 (a prefill chunk); in fp32 and, where
+  oneDNN has bf16 kernels, bf16. From them, the shortest time in which those
+  64 requests could run if a step did nothing but its linears (prompt tokens
+  at the 512-row rate, the LM head once per request for its prompt and once
+  per decode row), and so the most output tokens/s any engine using these
+  products could reach on this machine: what bounds that benchmark's ratio
+  to transformers, whose time it does not bound.
 * ``huge-pages``: the parameters of SmolLM2-135M (fp32, 540 MB) placed by
   ``kiln.models.memory.materialize`` in 4 KiB pages and in transparent huge
   pages, each in a fresh process: seconds to place and fill them (one copy, as
@@ -95,7 +108,8 @@ from bench.common.harness import time_per_call
 from bench.common.models import SMOLLM2_135M_SHAPE
 from bench.common.report import RESULTS_DIR, RunRecord, fmt, format_table, publish
 
-BENCHMARKS = ("op-overhead", "gemv", "quant-kernels", "cpu-linear", "many-rows", "huge-pages", "decode-attention")
+BENCHMARKS = ("op-overhead", "gemv", "quant-kernels", "cpu-linear", "many-rows", "step-linears", "huge-pages",
+              "decode-attention")
 SMOLLM2 = SMOLLM2_135M_SHAPE  # the decode shapes measured are this model's
 HEAD_DIM = SMOLLM2["hidden_size"] // SMOLLM2["num_attention_heads"]
 # name -> [out_features, in_features] of SmolLM2-135M's linear layers
@@ -754,6 +768,130 @@ def render_many_rows(report: dict[str, Any]) -> str:
     ])
 
 
+# --------------------------------------------------------------------- step linears
+
+STEP_LINEAR_ROWS = (16, 32, 48, 64, 512)
+# what bench.decode --throughput 64 runs with its defaults (--prompt-len 128, --max-tokens 128, mixed lengths)
+STEP_LINEAR_WORKLOAD = {"requests": 64, "prompt_len": 128, "max_tokens": 128}
+
+
+def _throughput_schedule(requests: int, prompt_len: int, max_tokens: int) -> tuple[int, dict[int, int]]:
+    """The prompt tokens of ``bench.decode``'s mixed-length throughput run and
+    its decode steps by batch size: each request's first token comes with its
+    prompt, then a request with a budget of B tokens is in B - 1 decode steps."""
+    from bench.decode import throughput_lengths
+
+    prompts, budgets = throughput_lengths(requests, prompt_len, max_tokens, same=False)
+    steps: dict[int, int] = {}
+    for s in range(1, max(budgets)):
+        rows = sum(b - 1 >= s for b in budgets)
+        steps[rows] = steps.get(rows, 0) + 1
+    return sum(prompts), steps
+
+
+def measure_step_linears(dtype: torch.dtype, rows_list: Sequence[int], repeats: int,
+                         batch_seconds: float) -> dict[str, Any]:
+    """Milliseconds for a step's layer linears and its LM head at each row count."""
+    from kiln.compiler import onednn
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [MANY_ROWS_WEIGHTS[name] for name in ("qkv", "o_proj", "gate_up", "down")]
+    layers = [[(torch.randn(shape, generator=gen) * 0.02).to(dtype) for shape in shapes]
+              for _ in range(SMOLLM2["num_hidden_layers"])]
+    head = (torch.randn(MANY_ROWS_WEIGHTS["lm_head"], generator=gen) * 0.02).to(dtype)
+    onednn.prepack([w for layer in layers for w in layer] + [head])
+    out: dict[str, Any] = {}
+    with torch.inference_mode():
+        for rows in rows_list:
+            xs = [torch.randn(rows, shape[1], generator=gen).to(dtype) for shape in shapes]
+
+            def layer_linears(xs: list[torch.Tensor] = xs) -> None:
+                for layer in layers:
+                    for x, w in zip(xs, layer):
+                        onednn.implementation(x, w, None)
+
+            xh = xs[0]  # hidden-size rows
+            print(f"step-linears {str(dtype).removeprefix('torch.')} x {rows} rows ...", file=sys.stderr, flush=True)
+            timed = {"layers": time_per_call(layer_linears, repeats=repeats, min_batch_seconds=batch_seconds),
+                     "lm_head": time_per_call(lambda xh=xh: onednn.implementation(xh, head, None), repeats=repeats,
+                                              min_batch_seconds=batch_seconds)}
+            flops = {"layers": 2 * rows * sum(math.prod(s) for s in shapes) * len(layers),
+                     "lm_head": 2 * rows * head.numel()}
+            for part, t in timed.items():
+                t["gflop_per_s"] = flops[part] / (t["median_ms"] / 1e3) / 1e9
+            out[str(rows)] = timed
+    return out
+
+
+def _throughput_bound(timings: dict[str, Any], prompt_tokens: int, steps: dict[int, int], requests: int,
+                      output_tokens: int) -> dict[str, Any] | None:
+    """The linears' share of the throughput run, from the measured row counts
+    (None when a decode batch size was not measured: --smoke)."""
+    if not all(str(rows) in timings for rows in steps) or "512" not in timings or str(requests) not in timings:
+        return None
+    ms = lambda rows, part: timings[str(rows)][part]["median_ms"]  # noqa: E731
+    prefill = prompt_tokens / 512 * ms(512, "layers") + ms(requests, "lm_head")
+    decode = sum(n * (ms(rows, "layers") + ms(rows, "lm_head")) for rows, n in steps.items())
+    seconds = (prefill + decode) / 1e3
+    return {"prefill_seconds": prefill / 1e3, "decode_seconds": decode / 1e3, "seconds": seconds,
+            "output_tokens_per_s": output_tokens / seconds}
+
+
+def step_linears_report(args: argparse.Namespace) -> dict[str, Any]:
+    from kiln.compiler import onednn
+
+    record = RunRecord("step-linears", "cpu")
+    work = STEP_LINEAR_WORKLOAD
+    prompt_tokens, steps = _throughput_schedule(work["requests"], work["prompt_len"], work["max_tokens"])
+    output_tokens = work["requests"] + sum(rows * n for rows, n in steps.items())
+    rows_list = STEP_LINEAR_ROWS[:1] if args.smoke else STEP_LINEAR_ROWS
+    dtypes = [d for d in (torch.float32, torch.bfloat16) if d in onednn.DTYPES]
+    if args.smoke:
+        dtypes = dtypes[:1]
+    results = []
+    for dtype in dtypes:
+        timings = measure_step_linears(dtype, rows_list, min(args.repeats, 7), 0.02 if args.smoke else 0.3)
+        results.append({"dtype": str(dtype).removeprefix("torch."), "timings": timings,
+                        "bound": _throughput_bound(timings, prompt_tokens, steps, work["requests"], output_tokens)})
+    return {
+        **record.head(),
+        "settings": {
+            "smoke": args.smoke,
+            "threads": torch.get_num_threads(),
+            "layers": SMOLLM2["num_hidden_layers"],
+            "weights": {name: list(MANY_ROWS_WEIGHTS[name]) for name in ("qkv", "o_proj", "gate_up", "down", "lm_head")},
+            "call": "kiln.compiler.onednn.implementation(x, W, None), every W reordered by prepack first",
+            "statistic": "median over batches of the per-call time (at most 7 batches)",
+            "workload": {**work, "lengths": "mixed, as bench.decode --throughput", "prompt_tokens": prompt_tokens,
+                         "output_tokens": output_tokens,
+                         "decode_steps_by_rows": {str(r): n for r, n in sorted(steps.items(), reverse=True)}},
+            "bound": ("prompt tokens x layers(512 rows) / 512 + lm_head(requests rows), plus for each decode step "
+                      "layers(rows) + lm_head(rows): the linears alone, nothing else of a step"),
+        },
+        "results": results,
+    }
+
+
+def render_step_linears(report: dict[str, Any]) -> str:
+    rows = []
+    for r in report["results"]:
+        for n, t in r["timings"].items():
+            rows.append([r["dtype"], n, fmt(t["layers"]["median_ms"], 1), fmt(t["layers"]["gflop_per_s"], 0),
+                         fmt(t["lm_head"]["median_ms"], 2), fmt(t["lm_head"]["gflop_per_s"], 0)])
+    lines = [f"a step's linears by oneDNN on reordered weights, CPU, {report['settings']['threads']} threads "
+             f"(30 layers of the 135M shape + LM head)", "",
+             format_table(["dtype", "rows", "layers ms", "layers GFLOP/s", "lm_head ms", "lm_head GFLOP/s"], rows)]
+    work = report["settings"]["workload"]
+    for r in report["results"]:
+        b = r["bound"]
+        if b is not None:
+            lines.append(f"{r['dtype']}: {work['requests']} requests of bench.decode --throughput "
+                         f"({work['prompt_tokens']} prompt, {work['output_tokens']} output tokens) take at least "
+                         f"{b['seconds']:.2f} s in linears alone ({b['prefill_seconds']:.2f} prefill + "
+                         f"{b['decode_seconds']:.2f} decode): at most {b['output_tokens_per_s']:.1f} output tok/s")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------- main
 
 
@@ -801,6 +939,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "many-rows" in args.only:
         report = many_rows_report(args)
         publish(report, "many-rows", render_many_rows(report), args.out)
+    if "step-linears" in args.only:
+        report = step_linears_report(args)
+        publish(report, "step-linears", render_step_linears(report), args.out)
     if "huge-pages" in args.only:
         report = huge_pages_report(args)
         publish(report, "huge-pages", render_huge_pages(report), args.out)

@@ -143,7 +143,7 @@ def _native_args(node: fx.Node, tokens: int, policy: LinearPolicy) -> tuple[obje
 def lower_quantized(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
     """A copy of ``gm`` whose packed linears dequantize their weight for a
     dense product (``gm`` itself when it has none): on a CPU with oneDNN, an
-    fp32 one is ``kiln::onednn_linear``, whose weight is then the dequantized
+    fp32 or bf16 one is ``kiln::onednn_linear``, whose weight is then the dequantized
     buffer as it is. MKL's sgemm behind ``linear`` took 8.9 ms for 512 rows
     by the 135M shape's gate/up weight, oneDNN 3.5 ms (2 threads of an AMD
     EPYC with AVX-512, scratch timing), and the demo model's 512-token
@@ -167,7 +167,7 @@ def _is_packed_linear(node: fx.Node) -> bool:
 def _lower_quantized_nodes(graph: fx.Graph, as_reduction: bool, dense: Any = None) -> int:
     """Replace each ``kiln::quantized_linear`` node of ``graph`` by its torch
     form, recorded in place through proxies; returns how many. ``dense``: the
-    product of an fp32 layer's dequantized weight (``onednn.REWRITE_DTYPES``),
+    product of a layer's dequantized weight in ``onednn.REWRITE_DTYPES``,
     in place of ``linear``."""
     tracer = GraphAppendingTracer(graph)
     lowered = 0

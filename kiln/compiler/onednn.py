@@ -16,19 +16,25 @@ mean of 8 steps). In bf16 ``F.linear`` already runs oneDNN, on the weight
 as it is; reordered once it ran 1.3-1.9x as fast at 16 rows, 1.2-1.35x at
 64 and level at 512 (one scratch run of the same cases), with the same bits.
 
-So on CPU, where torch has oneDNN, the fp32 linears of the pieces that run
-more than a few tokens (the range piece and exact sizes above
+So on CPU, where torch has oneDNN, the fp32 and bf16 linears of the pieces
+that run more than a few tokens (the range piece and exact sizes above
 ``CPU_GEMV_MAX_TOKENS``) become calls of ``kiln::onednn_linear``, so do
-their packed (quantized) fp32 linears, on the dequantized weight as it is
+their packed (quantized) linears, on the dequantized weight as it is
 (``kiln.compiler.gemv.lower_quantized``), and so does
 a dense fp32 or bf16 LM head of more rows than the C linear kernel takes
-(``cpu_linear.MAX_ROWS``; more than ``CPU_GEMV_MAX_TOKENS`` without it). bf16 linears inside the
-pieces are left to Inductor: rewritten, the bf16 test model's compiled
-pieces stopped giving the eager model's greedy tokens
-(tests/test_models.py::test_bf16_compiled_pieces_give_the_eager_tokens: the
-second token of a 5-token prompt), which the linear's own bits do not
-explain (they equal ``F.linear``'s); the surrounding fusion changed, and the
-cause is not pinned down.
+(``cpu_linear.MAX_ROWS``; more than ``CPU_GEMV_MAX_TOKENS`` without it).
+Left to Inductor, a bf16 linear is an ``mm`` on the weight as it is, which
+oneDNN repacks for AMX on every call: the 135M shape's 30 layers of linears
+at 64 rows took 38-40 ms that way against 25 ms on reordered weights, and
+routed to the op, a 64-request bf16 decode step went from 63-66 to 59-60 ms
+and a 512-token bf16 prefill from 2575-2595 to 2745-2784 tok/s (2 cores of
+an Intel Xeon with AMX, scratch A/B runs taking turns, 2026-12-05;
+bench/results/step-linears-cpu-*.json for the reordered figures). An
+earlier version left bf16 to Inductor because the bf16 test model's
+compiled pieces then left the eager model's greedy tokens at the second
+token of a 5-token prompt: there eager's two best log-probabilities are
+equal (-2.6717 both), and the test now accepts either token at such a tie
+(tests/test_models.py::test_bf16_compiled_pieces_give_the_eager_tokens).
 
 Where oneDNN has no bf16 kernels for the CPU (AVX2 without AVX-512), torch's
 bf16 linear runs an emulation: on 2 cores of a Zen 3 EPYC, 512 rows of the
@@ -41,7 +47,7 @@ for the product, which is rounded to bf16 once, as the few-token pieces' C
 kernel does. The widened weights are not kept: a copy per call costs a
 pass over the weight, against holding every weight three times.
 
-The fp32 (and natively computed bf16) weights are reordered when the compiled
+The fp32 and natively computed bf16 weights are reordered when the compiled
 pieces are loaded, in a thread of their own (``prepack``), and each copy kept
 while its weight lives: the linear weights are then held twice, as they are
 for the few-token pieces (``kiln.compiler.cpu_linear``, faster there) and
@@ -93,8 +99,8 @@ DTYPES = _dtypes()
 # dtypes the op computes in fp32, its operands widened on each call, where
 # oneDNN has no kernels for them (see above)
 WIDENED = frozenset({torch.bfloat16}) - DTYPES
-# what ``rewrite_linears`` routes to the op inside compiled pieces (see above for bf16)
-REWRITE_DTYPES = frozenset({torch.float32}) | WIDENED
+# what ``rewrite_linears`` routes to the op inside compiled pieces
+REWRITE_DTYPES = DTYPES | WIDENED
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:

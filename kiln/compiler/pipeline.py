@@ -157,9 +157,9 @@ class CompiledModel:
     def reorder_weights(self, max_rows: int) -> int:
         """Start reordering for oneDNN, in a thread (``self.reordering``), the
         weights its many-row pieces hand to it (``kiln.compiler.onednn``):
-        every dense fp32 linear's, and the LM head's when a step can sample
-        more rows (``max_rows``) than the C kernel or the compiled heads
-        take. Returns the bytes the copies take (0 off CPU, or for dtypes it
+        every dense linear's of ``onednn.REWRITE_DTYPES`` (fp32, bf16), and
+        the LM head's when a step can sample more rows (``max_rows``) than
+        the C kernel or the compiled heads take. Returns the bytes the copies take (0 off CPU, or for dtypes it
         does not take)."""
         device = next(self.model.parameters()).device
         if not onednn.available(device):

@@ -89,12 +89,13 @@ def test_the_rewrite_routes_fp32_linears_and_keeps_their_result(bias: bool) -> N
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_rewrite_leaves_other_dtypes(dtype: torch.dtype) -> None:
-    """bf16 too where oneDNN has bf16 kernels, though the op takes it: see the
-    module's docstring. Where it has none, bf16 is widened to fp32 in the op."""
+def test_the_rewrite_takes_bf16_and_leaves_other_dtypes(dtype: torch.dtype) -> None:
+    """bf16 is rewritten: computed as it is where oneDNN has bf16 kernels,
+    widened to fp32 in the op where it has none; fp16 is left to Inductor."""
     gm = _graph(dtype)
     new, rewritten = onednn.rewrite_linears(gm)
-    if dtype in onednn.WIDENED:
+    assert (dtype == torch.bfloat16) == (dtype in onednn.REWRITE_DTYPES)
+    if dtype in onednn.REWRITE_DTYPES:
         assert rewritten == 1
         assert [n.target for n in new.graph.nodes if n.op == "call_function"] == [onednn.onednn_linear]
         g = torch.Generator().manual_seed(3)
@@ -172,10 +173,9 @@ def test_prepack_counts_a_tied_weight_once_and_skips_what_the_op_does_not_take(b
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_lowered_packed_linear_multiplies_its_dequantized_weight_through_onednn(dtype: torch.dtype) -> None:
-    """Many-row pieces: an fp32 packed linear's dequantized weight goes to the
-    op as it is (MKL's sgemm ran it at less than half the speed on an AMD
-    EPYC); bf16 keeps ``linear``, as the rewrite leaves bf16 linears, except
-    where the op widens bf16."""
+    """Many-row pieces: an fp32 or bf16 packed linear's dequantized weight goes
+    to the op as it is (MKL's sgemm ran fp32 at less than half the speed on
+    an AMD EPYC)."""
     graph = fx.Graph()
     x, words, scales = graph.placeholder("x"), graph.placeholder("words"), graph.placeholder("scales")
     x.meta["example_value"] = torch.empty(40, 64, dtype=dtype)
