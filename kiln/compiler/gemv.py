@@ -143,8 +143,8 @@ def _native_args(node: fx.Node, tokens: int, policy: LinearPolicy) -> tuple[obje
 def lower_quantized(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
     """A copy of ``gm`` whose packed linears dequantize their weight for a
     dense product (``gm`` itself when it has none): on a CPU with oneDNN, an
-    fp32 or bf16 one is ``kiln::onednn_linear``, whose weight is then the dequantized
-    buffer as it is. MKL's sgemm behind ``linear`` took 8.9 ms for 512 rows
+    fp32 or bf16 one is ``kiln::onednn_linear``, whose weight is then the
+    dequantized buffer as it is. MKL's sgemm behind ``linear`` took 8.9 ms for 512 rows
     by the 135M shape's gate/up weight, oneDNN 3.5 ms (2 threads of an AMD
     EPYC with AVX-512, scratch timing), and the demo model's 512-token
     prefill in Q8_0 went from 680-740 to 1260-1290 tok/s (llama.cpp's: 953,

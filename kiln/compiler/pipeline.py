@@ -159,8 +159,8 @@ class CompiledModel:
         weights its many-row pieces hand to it (``kiln.compiler.onednn``):
         every dense linear's of ``onednn.REWRITE_DTYPES`` (fp32, bf16), and
         the LM head's when a step can sample more rows (``max_rows``) than
-        the C kernel or the compiled heads take. Returns the bytes the copies take (0 off CPU, or for dtypes it
-        does not take)."""
+        the C kernel or the compiled heads take. Returns the bytes the copies
+        take (0 off CPU, or for dtypes it does not take)."""
         device = next(self.model.parameters()).device
         if not onednn.available(device):
             return 0
