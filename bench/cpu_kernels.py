@@ -770,7 +770,7 @@ def render_many_rows(report: dict[str, Any]) -> str:
 
 # --------------------------------------------------------------------- step linears
 
-STEP_LINEAR_ROWS = (16, 32, 48, 64, 512)
+PREFILL_ROWS = 512  # the rows of a prefill chunk: prompt tokens are timed at this many a call
 # what bench.decode --throughput 64 runs with its defaults (--prompt-len 128, --max-tokens 128, mixed lengths)
 STEP_LINEAR_WORKLOAD = {"requests": 64, "prompt_len": 128, "max_tokens": 128}
 
@@ -827,10 +827,10 @@ def _throughput_bound(timings: dict[str, Any], prompt_tokens: int, steps: dict[i
                       output_tokens: int) -> dict[str, Any] | None:
     """The linears' share of the throughput run, from the measured row counts
     (None when a decode batch size was not measured: --smoke)."""
-    if not all(str(rows) in timings for rows in steps) or "512" not in timings or str(requests) not in timings:
+    if not all(str(rows) in timings for rows in (*steps, requests, PREFILL_ROWS)):
         return None
     ms = lambda rows, part: timings[str(rows)][part]["median_ms"]  # noqa: E731
-    prefill = prompt_tokens / 512 * ms(512, "layers") + ms(requests, "lm_head")
+    prefill = prompt_tokens / PREFILL_ROWS * ms(PREFILL_ROWS, "layers") + ms(requests, "lm_head")
     decode = sum(n * (ms(rows, "layers") + ms(rows, "lm_head")) for rows, n in steps.items())
     seconds = (prefill + decode) / 1e3
     return {"prefill_seconds": prefill / 1e3, "decode_seconds": decode / 1e3, "seconds": seconds,
@@ -844,7 +844,10 @@ def step_linears_report(args: argparse.Namespace) -> dict[str, Any]:
     work = STEP_LINEAR_WORKLOAD
     prompt_tokens, steps = _throughput_schedule(work["requests"], work["prompt_len"], work["max_tokens"])
     output_tokens = work["requests"] + sum(rows * n for rows, n in steps.items())
-    rows_list = STEP_LINEAR_ROWS[:1] if args.smoke else STEP_LINEAR_ROWS
+    # the decode steps' batch sizes (the requests among them: the LM head of the prefill), then a prefill chunk
+    rows_list = sorted(steps) + [PREFILL_ROWS]
+    if args.smoke:
+        rows_list = rows_list[:1]
     dtypes = [d for d in (torch.float32, torch.bfloat16) if d in onednn.DTYPES]
     if args.smoke:
         dtypes = dtypes[:1]
@@ -865,8 +868,8 @@ def step_linears_report(args: argparse.Namespace) -> dict[str, Any]:
             "workload": {**work, "lengths": "mixed, as bench.decode --throughput", "prompt_tokens": prompt_tokens,
                          "output_tokens": output_tokens,
                          "decode_steps_by_rows": {str(r): n for r, n in sorted(steps.items(), reverse=True)}},
-            "bound": ("prompt tokens x layers(512 rows) / 512 + lm_head(requests rows), plus for each decode step "
-                      "layers(rows) + lm_head(rows): the linears alone, nothing else of a step"),
+            "bound": (f"prompt tokens x layers({PREFILL_ROWS} rows) / {PREFILL_ROWS} + lm_head(requests rows), plus "
+                      "for each decode step layers(rows) + lm_head(rows): the linears alone, nothing else of a step"),
         },
         "results": results,
     }
