@@ -45,6 +45,7 @@
  * (packed_row): the same numbers either way, up to the order of the fp32 sums.
  * Without the flag the activations are used as they are (packed_row).
  */
+#define _DEFAULT_SOURCE /* syscall(), which asks Linux for the AMX tiles (kiln_amx) */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -861,6 +862,192 @@ done:
     return rc;
 }
 
+/* -------------------------------------------------------------- AMX tiles
+ * bf16 linears of many rows (a batched decode step, a prefill) on Intel's AMX
+ * tile unit, where the CPU has one (Sapphire Rapids and later), up to
+ * kiln.compiler.onednn.AMX_MAX_ROWS; oneDNN takes the others. The linears of
+ * a decode step of the 135M shape (30 layers and the LM head, 269 MB of
+ * weights read from memory, 2 threads of an Intel Xeon) took 15.2-16.1 ms
+ * here against 22.9-23.3 for oneDNN on weights it had reordered at 16 rows,
+ * and 22.4-23.9 against 29.9-30.9 at 64 rows (scratch runs, 2026-12-05).
+ * From cache the gap is wider (the 960 x 576 QKV weight at 64 rows: 77
+ * against 180 us): oneDNN's fixed cost per call is larger than the
+ * arithmetic of a small model's layer.
+ *
+ * A product C[M, N] += A[M, K] B[K, N] runs on tiles of 16 rows of 64 bytes:
+ * A's tile is 16 rows by 32 bf16 of K, B's is 16 pairs of K by 16 columns,
+ * each pair of bf16 side by side (the layout the tile instruction reads),
+ * C's is 16 rows by 16 fp32. Of the 8 tiles, 4 hold C for 32 rows by 32
+ * columns, 2 the A and 2 the B tiles of one step of K: each tile loaded feeds
+ * two products.
+ *
+ * The weight is laid out once (kiln_amx_pack) as the B tiles in the order the
+ * loop reads them: for each pair of 16-column blocks (the last block alone
+ * when their count is odd), for each step of 32 along K, the pair's two tiles
+ * one after the other: tile[kk][j][p] = W[16 b + j][32 s + 2 kk + p]. Each
+ * thread takes a contiguous share of the pairs and so reads one stream of
+ * weights; the rows of the activations repeat per pair, from cache. */
+#if KILN_AVX512 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    (KILN_KINDS >> 1 & 1) /* KIND_BF16 (an enum, which #if cannot read) */
+#define KILN_AMX 1
+#include <unistd.h>
+#include <sys/syscall.h>
+
+#define KILN_ARCH_REQ_XCOMP_PERM 0x1023 /* arch_prctl: ask for a state component */
+#define KILN_XFEATURE_XTILEDATA 18      /* the tiles' data */
+/* How far ahead of the tiles being multiplied to ask for the weights: one
+ * step of K of a pair. 4 to 32 KB ahead, into L1 or L2, and the next pair's
+ * tiles asked for into L2 while multiplying the current ones, did no better
+ * (a step's linears of the 135M shape read from memory, 2 threads). */
+#define KILN_AMX_AHEAD 2048
+/* Row blocks of 16 taken at once: each thread's pairs run over 256 rows
+ * before the next 256, whose activations then stay in L2 (2 MB a core). */
+#define KILN_AMX_CHUNK 16
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+static int amx_granted = -1;
+
+/* 1 when this process may use the tiles: Linux hands their state out per
+ * process, on request. The first call asks; later ones return its answer. */
+int kiln_amx(void) {
+    if (amx_granted < 0)
+        amx_granted = syscall(SYS_arch_prctl, KILN_ARCH_REQ_XCOMP_PERM, KILN_XFEATURE_XTILEDATA) == 0;
+    return amx_granted;
+}
+
+/* The B tiles of w[N, K] bf16 into wp (N * K elements), in the order above.
+ * Returns 0, or -1 unless N is a multiple of 16 and K of 32. */
+int kiln_amx_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *wp, int threads) {
+    if (n < 16 || n % 16 || k < 32 || k % 32) return -1;
+    const int64_t blocks = n / 16, steps = k / 32;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t pair = b / 2, width = pair * 2 + 1 < blocks ? 2 : 1;
+        for (int64_t s = 0; s < steps; s++) {
+            uint32_t *tile = (uint32_t *)(wp + (pair * 2 * steps + s * width + (b & 1)) * 512);
+            for (int kk = 0; kk < 16; kk++)
+                for (int j = 0; j < 16; j++)
+                    memcpy(tile + kk * 16 + j, w + (b * 16 + j) * k + s * 32 + kk * 2, sizeof(uint32_t));
+        }
+    }
+    return 0;
+}
+
+/* C tiles 0-3 (row block r, column block c at 2 r + c) plus bias, rounded to
+ * bf16 into out; rows from m on are padding and are dropped. */
+static inline void amx_store(float (*cb)[256], int rows2, int cols2, int64_t row0, int64_t col0, int64_t m,
+                             const uint16_t *bias, uint16_t *out, int64_t out_stride) {
+    _tile_stored(0, cb[0], 64);
+    if (cols2) _tile_stored(1, cb[1], 64);
+    if (rows2) {
+        _tile_stored(2, cb[2], 64);
+        if (cols2) _tile_stored(3, cb[3], 64);
+    }
+    for (int t = 0; t < 4; t++) {
+        const int r = t >> 1, c = t & 1;
+        if ((r && !rows2) || (c && !cols2)) continue;
+        const int64_t i0 = row0 + 16 * r, j0 = col0 + 16 * c;
+        const __m512 b = bias ? load_bf16(bias + j0) : _mm512_setzero_ps();
+        for (int i = 0; i < 16 && i0 + i < m; i++) {
+            const __m512 v = _mm512_add_ps(_mm512_load_ps(cb[t] + 16 * i), b);
+            _mm256_storeu_si256((__m256i *)(out + (i0 + i) * out_stride + j0), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    }
+}
+
+/* out[M, N] = x[M, K] @ W[N, K]^T + bias, all bf16, the products summed in
+ * fp32; wp is W laid out by kiln_amx_pack. Returns 0, -1 for arguments
+ * outside the kernel's limits, -2 when a buffer could not be allocated, -3
+ * when the process may not use the tiles (kiln_amx). */
+int kiln_amx_linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *wp, int64_t n,
+                    const uint16_t *bias, uint16_t *out, int64_t out_stride, int threads) {
+    if (m < 1 || n < 16 || n % 16 || k < 32 || k % 32 || x_stride < k || out_stride < n) return -1;
+    if (kiln_amx() != 1) return -3;
+    /* The rows of a last, partial block of 16, padded with zeros: a tile
+     * loads 16 rows, and those past x's end may not be there to read. */
+    const int64_t full = m / 16, blocks_m = (m + 15) / 16, blocks_n = n / 16, steps = k / 32;
+    uint16_t *tail = NULL;
+    if (full < blocks_m) {
+        tail = aligned_alloc(64, (size_t)(16 * k * sizeof(uint16_t) + 63) / 64 * 64);
+        if (!tail) return -2;
+        memset(tail, 0, 16 * k * sizeof(uint16_t));
+        for (int64_t i = full * 16; i < m; i++)
+            memcpy(tail + (i - full * 16) * k, x + i * x_stride, k * sizeof(uint16_t));
+    }
+    const int64_t pairs = (blocks_n + 1) / 2;
+#pragma omp parallel num_threads(threads)
+    {
+        amx_config config;
+        memset(&config, 0, sizeof config);
+        config.palette = 1;
+        for (int t = 0; t < 8; t++) {
+            config.colsb[t] = 64;
+            config.rows[t] = 16;
+        }
+        _tile_loadconfig(&config);
+        _Alignas(64) float cb[4][256];
+        for (int64_t c0 = 0; c0 < blocks_m; c0 += KILN_AMX_CHUNK) {
+            const int64_t c1 = c0 + KILN_AMX_CHUNK < blocks_m ? c0 + KILN_AMX_CHUNK : blocks_m;
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < pairs; p++) {
+                const int cols2 = 2 * p + 1 < blocks_n, width = cols2 ? 2 : 1;
+                const uint16_t *w = wp + p * 2 * steps * 512;
+                for (int64_t bm = c0; bm < c1; bm += 2) {
+                    const int rows2 = bm + 1 < blocks_m;
+                    const uint16_t *a0 = bm < full ? x + bm * 16 * x_stride : tail;
+                    const uint16_t *a1 = bm + 1 < full ? x + (bm + 1) * 16 * x_stride : tail;
+                    const int64_t s0 = (bm < full ? x_stride : k) * 2, s1 = (bm + 1 < full ? x_stride : k) * 2;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int64_t s = 0; s < steps; s++) {
+                        const uint16_t *b = w + s * width * 512;
+                        if (bm == c0)  /* the first pass over the pair reads it from memory */
+                            for (int l = 0; l < width * 16; l++)
+                                _mm_prefetch((const char *)b + KILN_AMX_AHEAD + 64 * l, _MM_HINT_T0);
+                        _tile_loadd(4, a0 + 32 * s, s0);
+                        _tile_loadd(6, b, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        if (cols2) {
+                            _tile_loadd(7, b + 512, 64);
+                            _tile_dpbf16ps(1, 4, 7);
+                        }
+                        if (rows2) {
+                            _tile_loadd(5, a1 + 32 * s, s1);
+                            _tile_dpbf16ps(2, 5, 6);
+                            if (cols2) _tile_dpbf16ps(3, 5, 7);
+                        }
+                    }
+                    amx_store(cb, rows2, cols2, bm * 16, p * 32, m, bias, out, out_stride);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(tail);
+    return 0;
+}
+#else
+#define KILN_AMX 0
+int kiln_amx(void) { return 0; }
+int kiln_amx_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *wp, int threads) {
+    (void)w, (void)n, (void)k, (void)wp, (void)threads;
+    return -1;
+}
+int kiln_amx_linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *wp, int64_t n,
+                    const uint16_t *bias, uint16_t *out, int64_t out_stride, int threads) {
+    (void)x, (void)x_stride, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)out, (void)out_stride,
+        (void)threads;
+    return -3;
+}
+#endif
+
 /* ------------------------------------------------------------------ argmax
  * Each row's index of its largest value, as torch's max(dim=-1) picks it: the
  * first of equal values, and the first NaN where a row has one. The sampler
@@ -1035,6 +1222,18 @@ static PyObject *py_linear(PyObject *self, PyObject *const *a, Py_ssize_t n_args
     return PyLong_FromLong(rc);
 }
 
+/* amx_linear(x, x_stride, m, k, wp, n, bias, out, out_stride, threads) -> kiln_amx_linear's
+ * return code; bias a tensor or None. */
+static PyObject *py_amx_linear(PyObject *self, PyObject *const *a, Py_ssize_t n_args) {
+    (void)self;
+    int64_t v[6];
+    const int at[6] = {1, 2, 3, 5, 8, 9};
+    if (arity("amx_linear", n_args, 10) || ints_at(a, at, 6, v)) return NULL;
+    int rc = kiln_amx_linear(tensor_data(a[0]), v[0], v[1], v[2], tensor_data(a[4]), v[3], data_or_null(a[6]),
+                             tensor_data(a[7]), v[4], (int)v[5]);
+    return PyLong_FromLong(rc);
+}
+
 /* argmax(x, x_bf16, rows, n, stride, threads) -> [index of row 0, ...], or None
  * where kiln_argmax refuses the sizes. */
 static PyObject *py_argmax(PyObject *self, PyObject *const *a, Py_ssize_t n_args) {
@@ -1065,6 +1264,8 @@ static PyObject *py_argmax(PyObject *self, PyObject *const *a, Py_ssize_t n_args
 
 static PyMethodDef py_methods[] = {
     {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL, "kiln_linear with tensor arguments"},
+    {"amx_linear", (PyCFunction)(void (*)(void))py_amx_linear, METH_FASTCALL,
+     "kiln_amx_linear with tensor arguments"},
     {"argmax", (PyCFunction)(void (*)(void))py_argmax, METH_FASTCALL, "kiln_argmax with a tensor, as a list"},
     {NULL, NULL, 0, NULL}};
 

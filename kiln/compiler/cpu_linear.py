@@ -163,11 +163,26 @@ class CpuLinearKernel:
         # ``linear`` takes the tensors themselves (-DKILN_PYTHON in cpu_linear.c).
         self._linear: Any = None
         self._argmax: Any = None
+        self._amx_linear_ext: Any = None
         if hasattr(library, "PyInit_kiln_linear"):
             module = import_extension(path, "kiln_linear")
             self._linear = module.linear
             self._argmax = getattr(module, "argmax", None)
+            self._amx_linear_ext = getattr(module, "amx_linear", None)
             register_c_function(self._linear, fn)  # ``linear`` passes its arguments on to kiln_linear in order
+        # kiln_amx_linear: bf16 linears of any number of rows on AMX tiles, where
+        # the library was built for a CPU with them and Linux grants them to
+        # this process (False in a library built before it was there)
+        self.amx: bool = hasattr(library, "kiln_amx") and library.kiln_amx() == 1
+        self._amx_pack: Any = None
+        self._amx_linear: Any = None
+        if self.amx:
+            self._amx_pack = library.kiln_amx_pack
+            self._amx_pack.argtypes = [p, i64, i64, p, i32]
+            self._amx_pack.restype = ctypes.c_int
+            self._amx_linear = library.kiln_amx_linear
+            self._amx_linear.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i32]
+            self._amx_linear.restype = ctypes.c_int
         # kiln_replay: a CPU call graph's calls made from C (kiln.graphs.cpu);
         # None in a library built before it was there
         self.replay_loop: Any = None
@@ -189,6 +204,48 @@ class CpuLinearKernel:
             return None
         return self._argmax(t, t.dtype == torch.bfloat16, t.shape[0], t.shape[1], t.stride(0),
                             torch.get_num_threads())
+
+    def amx_tiles(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """``weight`` (``[N, K]`` bf16) laid out as the AMX kernel's tiles
+        (``kiln_amx_pack``), for ``amx_linear``; None where the kernel does
+        not take it: no AMX (``amx``), another dtype or device, or N not a
+        multiple of 16 or K of 32 (every projection and vocabulary of the
+        Llama, Mistral and Qwen families is)."""
+        if not self.amx or weight.dim() != 2 or weight.dtype != torch.bfloat16 or not weight.is_cpu:
+            return None
+        n, k = weight.shape
+        if n < 16 or n % 16 or k < 32 or k % 32:
+            return None
+        weight = weight.contiguous()
+        tiles = torch.empty(n * k, dtype=torch.bfloat16)
+        if self._amx_pack(weight.data_ptr(), n, k, tiles.data_ptr(), torch.get_num_threads()) != 0:
+            return None
+        return tiles
+
+    def amx_linear(self, x: torch.Tensor, tiles: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [..., K] @ W.T + bias`` in bf16 on the AMX tiles, ``tiles``
+        being W's (``amx_tiles``) and ``n`` its rows. Called once per linear
+        of a many-row piece, so written, like ``__call__``, for few Python
+        steps: the extension module's call takes the tensors as they are."""
+        k = x.shape[-1]
+        rows = x.reshape(-1, k)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        m = rows.shape[0]
+        out = _empty((m, n), (n, 1), torch.bfloat16)
+        if m == 0:
+            return out.view(*x.shape[:-1], n)
+        if bias is not None and (bias.dtype != torch.bfloat16 or bias.stride(-1) != 1):
+            bias = bias.to(torch.bfloat16).contiguous()
+        threads = torch.get_num_threads()
+        if self._amx_linear_ext is not None:
+            rc = self._amx_linear_ext(rows, rows.stride(0), m, k, tiles, n, bias, out, n, threads)
+        else:
+            rc = self._amx_linear(rows.data_ptr(), rows.stride(0), m, k, tiles.data_ptr(), n, _ptr(bias),
+                                  out.data_ptr(), n, threads)
+        if rc != 0:
+            raise RuntimeError(f"{self.path.name} refused an AMX linear of {(m, k)} by [{n}, {k}] (rc {rc})")
+        return out.view(*x.shape[:-1], n)
 
     def native_sites(self) -> list[tuple[object, str]]:
         """Where ``__call__`` finds its native functions (``kiln.graphs.cpu``)."""

@@ -36,6 +36,20 @@ token of a 5-token prompt: there eager's two best log-probabilities are
 equal (-2.6717 both), and the test now accepts either token at such a tie
 (tests/test_models.py::test_bf16_compiled_pieces_give_the_eager_tokens).
 
+Where the CPU has AMX tiles and kiln's C kernel is built with them
+(``CpuLinearKernel.amx``), the op hands its bf16 linears of up to
+``AMX_MAX_ROWS`` rows to that kernel instead (``kiln_amx_linear`` in
+kiln/compiler/cpu_linear.c), on the weights laid out as its tiles by
+``prepack``: oneDNN's fixed cost per call is larger than the arithmetic of a
+small model's layer. The linears of a decode step of the 135M shape, weights
+read from memory, took 15.2-16.1 ms against oneDNN's 22.9-23.3 at 16 rows
+and 22.4-23.9 against 29.9-30.9 at 64 (2 threads of an Intel Xeon, scratch
+runs, 2026-12-05). 64 requests of ``python -m bench.decode --throughput 64
+--dtype bfloat16``, one run after the other: a decode step 62.2 -> 47.8 ms,
+633.6 -> 824.8 output tok/s, 3.01x -> 3.88x transformers
+(bench/results/decode-throughput-cpu-20261205-091908.json and the run after
+it). The tiles give a row the same bits whatever it is batched with.
+
 Where oneDNN has no bf16 kernels for the CPU (AVX2 without AVX-512), torch's
 bf16 linear runs an emulation: on 2 cores of a Zen 3 EPYC, 512 rows of the
 135M shape's 576 -> 1536 layer took 52 ms, its fp32 product 5.8, and the fp32
@@ -69,15 +83,17 @@ import copy
 import threading
 import weakref
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import fx
 
+from kiln.compiler.cpu_linear import CpuLinearKernel
 from kiln.models.memory import lowest_priority
 
-__all__ = ["DTYPES", "REWRITE_DTYPES", "WIDENED", "available", "implementation", "onednn_linear", "packed",
+__all__ = ["AMX_MAX_ROWS", "AmxWeight", "DTYPES", "REWRITE_DTYPES", "WIDENED", "available", "implementation", "onednn_linear", "packed",
            "packed_bytes", "prepack", "rewrite_linears", "takes"]
 
 
@@ -126,16 +142,44 @@ PACK_ROWS = 64
 # whose Python object torch keeps while the storage lives), so a new tensor
 # at the same address never finds a stale copy. Weights are read-only once
 # served: a copy is not refreshed if one is written in place.
-_PACKED: dict[tuple[int, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+_PACKED: dict[tuple[int, tuple[int, ...], tuple[int, ...]], torch.Tensor | AmxWeight] = {}
 
 
-def packed(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` reordered into oneDNN's blocked layout, made on the first
-    call and kept while the weight's storage lives."""
+# The most rows a bf16 linear runs on the AMX tiles of kiln's C kernel; oneDNN
+# takes more. Each layer weight of the 135M shape, 6 of them in turn, 2 threads
+# of an Intel Xeon, us a call (tiles against oneDNN on reordered weights):
+# 64 rows 77-119 against 180-528, 512 rows 406-1285 against 427-1253, 2048 rows
+# 1422-5159 against 1466-3905 (scratch timings, 2026-12-05): from there the
+# product is bound by arithmetic, which oneDNN's blocking does better.
+AMX_MAX_ROWS = 512
+
+
+@dataclass(frozen=True)
+class AmxWeight:
+    """A bf16 weight laid out as the AMX tiles of kiln's C kernel
+    (``CpuLinearKernel.amx_tiles``), which then computes the op in its place."""
+
+    kernel: CpuLinearKernel
+    tiles: torch.Tensor
+    rows: int  # the weight's N
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.kernel.amx_linear(x, self.tiles, self.rows, bias)
+
+
+def packed(weight: torch.Tensor, kernel: CpuLinearKernel | None = None) -> torch.Tensor | AmxWeight:
+    """``weight``'s copy for the op, made on the first call and kept while the
+    weight's storage lives: its AMX tiles where ``kernel`` has them and takes
+    the weight (bf16, ``CpuLinearKernel.amx_tiles``), else the weight
+    reordered into oneDNN's blocked layout."""
     key = _key(weight)
     copy_ = _PACKED.get(key)
     if copy_ is None:
-        copy_ = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
+        tiles = kernel.amx_tiles(weight) if kernel is not None else None
+        if tiles is not None:
+            copy_ = AmxWeight(kernel, tiles, weight.shape[0])  # type: ignore[arg-type]
+        else:
+            copy_ = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
         _PACKED[key] = copy_
         weakref.finalize(weight.untyped_storage(), _PACKED.pop, key, None)
     return copy_
@@ -145,22 +189,33 @@ def _key(weight: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     return weight.data_ptr(), tuple(weight.shape), tuple(weight.stride())
 
 
-def prepack(weights: Iterable[torch.Tensor], *, background: bool = False) -> tuple[int, threading.Thread | None]:
-    """Reorder those of ``weights`` the op takes as they are
-    (``_reorderable``); returns the bytes their copies take (a weight listed twice, as a tied LM head is,
-    counted once) and, with ``background``, the thread reordering them, at
-    the lowest CPU priority: the op uses each weight as it is until its copy
-    is there, with the same result, so a start need not wait the 0.3 s the
-    135M shape's fp32 weights take."""
+def prepack(weights: Iterable[torch.Tensor], *, background: bool = False, kernel: CpuLinearKernel | None = None,
+            ) -> tuple[int, threading.Thread | None]:
+    """Make the copies of those of ``weights`` the op takes as they are
+    (``_reorderable``); returns the bytes the copies take (a weight listed
+    twice, as a tied LM head is, counted once) and, with ``background``, the
+    thread making oneDNN's, at the lowest CPU priority: the op uses each
+    weight as it is until its copy is there, with the same result, so a start
+    need not wait the 0.3 s the 135M shape's fp32 weights take. The AMX tiles
+    of ``kernel`` (bf16 weights it takes, ``CpuLinearKernel.amx_tiles``) are
+    made before this returns: the tiles and oneDNN round a few outputs in
+    10^4 to different bf16 neighbours, and a request's tokens should not
+    depend on when a thread got to its weights. They are a reordering at the
+    speed of memory (the 135M shape's 269 MB: about 0.05 s here)."""
     unique = {_key(w): w for w in weights if _reorderable(w)}
     todo = list(unique.values())
     nbytes = sum(w.numel() * w.element_size() for w in todo)
+    if kernel is not None and kernel.amx:
+        for w in todo:
+            if w.dtype == torch.bfloat16:
+                packed(w, kernel)
+        todo = [w for w in todo if _key(w) not in _PACKED]
 
     def run() -> None:
         if background:
             lowest_priority()
         for w in todo:
-            packed(w)
+            packed(w, kernel)
 
     if not background:
         run()
@@ -173,7 +228,8 @@ def prepack(weights: Iterable[torch.Tensor], *, background: bool = False) -> tup
 
 def packed_bytes() -> int:
     """Bytes held by the reordered copies of the weights alive in this process."""
-    return sum(w.numel() * w.element_size() for w in _PACKED.values())
+    copies = [c.tiles if isinstance(c, AmxWeight) else c for c in _PACKED.values()]
+    return sum(c.numel() * c.element_size() for c in copies)
 
 
 def implementation(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -186,6 +242,10 @@ def implementation(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                                                   None if bias is None else bias.float(), "none", [], "")
         return wide.to(x.dtype)
     copy_ = _PACKED.get(_key(weight))
+    if isinstance(copy_, AmxWeight):
+        if x.numel() <= AMX_MAX_ROWS * x.shape[-1]:
+            return copy_(x, bias)
+        copy_ = None  # oneDNN, on the weight as it is
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight if copy_ is None else copy_, bias, "none", [],
                                               "")
 

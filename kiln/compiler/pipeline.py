@@ -172,7 +172,7 @@ class CompiledModel:
                in kernel.kinds else CPU_GEMV_MAX_TOKENS)  # the rows that never reach oneDNN (_native_head)
         if fmt is None and max_rows > few:
             weights.append(tensors[0])
-        nbytes, self.reordering = onednn.prepack(weights, background=True)
+        nbytes, self.reordering = onednn.prepack(weights, background=True, kernel=kernel)
         return nbytes
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -376,3 +376,77 @@ def test_a_call_kiln_replay_cannot_make_is_replayed_from_python(native_kernel) -
     declared_float = ctypes.CDLL(None)["labs"]  # a new function object, declared here with a double
     declared_float.argtypes = [ctypes.c_double]
     assert "not a known C function" in native.prepare([(declared_float, (1,), None)])
+
+
+# ---------------------------------------------------------------- AMX tiles
+AMX = {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"} <= cpu_flags()
+needs_amx = pytest.mark.skipif(not AMX, reason="the CPU has no AMX tiles")
+
+
+def test_only_the_native_build_of_a_cpu_with_amx_has_the_tiles(kernel, native_kernel) -> None:
+    """Linux grants the tiles on request (kiln_amx); builds without AVX-512 or
+    AVX512-BF16 leave the AMX code out, and their entry points refuse."""
+    assert kernel.amx == (AMX and kernel is native_kernel)
+    if not kernel.amx:
+        assert kernel.amx_tiles(torch.randn(32, 64).bfloat16()) is None
+        library = ctypes.CDLL(str(kernel.path))
+        assert library.kiln_amx() == 0
+        i64 = ctypes.c_int64
+        assert library.kiln_amx_linear(None, i64(64), i64(1), i64(64), None, i64(32), None, None, i64(32), 1) == -3
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 40, 64, 300])
+@pytest.mark.parametrize("n, k", [(48, 64), (160, 96), (32, 1536)])  # 48: a last block of 16 columns alone
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_bf16_accumulates_in_fp32_and_rounds_once(native_kernel, rows: int, n: int, k: int,
+                                                      bias: bool) -> None:
+    g = torch.Generator().manual_seed(rows * n)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    tiles = native_kernel.amx_tiles(w)
+    assert tiles is not None and tiles.numel() == n * k and tiles.dtype == torch.bfloat16
+    got = native_kernel.amx_linear(x, tiles, n, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    want = F.linear(x.float(), w.float(), None if b is None else b.float()).bfloat16()
+    # the same fp32 sums in another order: at most one bf16 step apart
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-6, rtol=2 ** -7)
+
+
+@needs_amx
+def test_amx_gives_a_row_the_same_bits_in_any_batch_and_layout(native_kernel) -> None:
+    """Each output is one fixed sequence of tile products over K, whatever the
+    number of rows, the rows' stride or the threads: a request's logits do
+    not depend on what it was batched with."""
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(300, 160, generator=g).bfloat16()
+    x = wide[:, 32:128]  # rows with a stride of 160
+    w = torch.randn(64, 96, generator=g).bfloat16()
+    b = torch.randn(64, generator=g).bfloat16()
+    tiles = native_kernel.amx_tiles(w)
+    full = native_kernel.amx_linear(x, tiles, 64, b)
+    for rows in (1, 7, 16, 33, 299):
+        assert torch.equal(native_kernel.amx_linear(x[:rows], tiles, 64, b), full[:rows])
+        assert torch.equal(native_kernel.amx_linear(x[-rows:].contiguous(), tiles, 64, b), full[-rows:])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(native_kernel.amx_linear(x, tiles, 64, b), full)
+    finally:
+        torch.set_num_threads(threads)
+    # more dimensions in, none out of shape; no rows at all
+    assert torch.equal(native_kernel.amx_linear(x[:6].reshape(2, 3, 96), tiles, 64, b), full[:6].view(2, 3, 64))
+    assert native_kernel.amx_linear(x[:0], tiles, 64, b).shape == (0, 64)
+
+
+@needs_amx
+def test_amx_tiles_are_made_only_for_weights_the_kernel_takes(native_kernel) -> None:
+    assert native_kernel.amx_tiles(torch.randn(48, 64).bfloat16()) is not None
+    assert native_kernel.amx_tiles(torch.randn(48, 64).bfloat16().t().contiguous().t()) is not None  # any strides
+    for refused in (torch.randn(40, 64).bfloat16(),  # N not a multiple of 16
+                    torch.randn(48, 80).bfloat16(),  # K not a multiple of 32
+                    torch.randn(48, 64),  # fp32
+                    torch.randn(48, 64).half(),
+                    torch.randn(64).bfloat16()):
+        assert native_kernel.amx_tiles(refused) is None

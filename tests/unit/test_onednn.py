@@ -10,7 +10,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from kiln.checkpoint import QuantizedTensor
-from kiln.compiler import onednn
+from kiln.compiler import cpu_linear, onednn
 from kiln.compiler.gemv import lower_quantized
 from kiln.models.quant import FORMATS, dequantize, pack, quantize_int8, quantized_linear
 
@@ -197,3 +197,41 @@ def test_a_lowered_packed_linear_multiplies_its_dequantized_weight_through_onedn
     want = F.linear(xs.float(), dequantize(packed_words, packed_scales, None, FORMATS["q8_0"])).to(dtype)
     tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 0.05}
     torch.testing.assert_close(gm(xs, packed_words, packed_scales)[0], want, **tol)
+
+
+@pytest.fixture(scope="module")
+def amx_kernel(tmp_path_factory: pytest.TempPathFactory) -> cpu_linear.CpuLinearKernel:
+    """The C kernel built for bf16 alone (its AMX tiles), where this CPU has them."""
+    root = tmp_path_factory.mktemp("inductor")
+    kernel = cpu_linear.CpuLinearKernel(root / cpu_linear.build(root, {"bf16"}))
+    if not kernel.amx:
+        pytest.skip("the CPU has no AMX tiles")
+    return kernel
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_bf16_weights_get_amx_tiles_before_prepack_returns(amx_kernel, background: bool) -> None:
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(160, 96, generator=g).bfloat16()
+    odd = torch.randn(40, 96, generator=g).bfloat16()  # 40 rows: not the tiles', oneDNN's reordering
+    f32 = torch.randn(160, 96, generator=g)
+    before = onednn.packed_bytes()
+    nbytes, thread = onednn.prepack([w, odd, f32], background=background, kernel=amx_kernel)
+    assert nbytes == 160 * 96 * 2 + 40 * 96 * 2 + 160 * 96 * 4
+    tiles = onednn._PACKED[onednn._key(w)]  # there already, whether or not the thread has run
+    assert isinstance(tiles, onednn.AmxWeight) and tiles.rows == 160
+    if thread is not None:
+        thread.join(timeout=60)
+    assert not isinstance(onednn.packed(odd), onednn.AmxWeight) and not isinstance(onednn.packed(f32), onednn.AmxWeight)
+    assert onednn.packed_bytes() == before + nbytes
+    b = torch.randn(160, generator=g).bfloat16()
+    for rows in (5, onednn.AMX_MAX_ROWS):  # the tiles' products
+        x = torch.randn(rows, 96, generator=g).bfloat16()
+        assert torch.equal(onednn.implementation(x, w, b), amx_kernel.amx_linear(x, tiles.tiles, 160, b))
+        assert torch.equal(onednn.onednn_linear(x, w, b), amx_kernel.amx_linear(x, tiles.tiles, 160, b))
+    x = torch.randn(onednn.AMX_MAX_ROWS + 1, 96, generator=g).bfloat16()  # more rows: oneDNN's, on the weight as it is
+    plain = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    assert torch.equal(onednn.implementation(x, w, b), plain)
+    del tiles
+    del w  # the tiles go with the weight
+    assert onednn.packed_bytes() == before + nbytes - 160 * 96 * 2
