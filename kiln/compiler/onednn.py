@@ -1,4 +1,4 @@
-"""Many-row linears through oneDNN (CPU).
+"""Many-row linears through oneDNN, or bf16 ones on AMX tiles by kiln's C kernel (CPU).
 
 Above a few tokens a linear layer is a matrix product with enough rows to be
 bound by arithmetic, not by reading the weight. ``F.linear`` (and the ``mm``
@@ -93,8 +93,8 @@ from torch import fx
 from kiln.compiler.cpu_linear import CpuLinearKernel
 from kiln.models.memory import lowest_priority
 
-__all__ = ["AMX_MAX_ROWS", "AmxWeight", "DTYPES", "REWRITE_DTYPES", "WIDENED", "available", "implementation", "onednn_linear", "packed",
-           "packed_bytes", "prepack", "rewrite_linears", "takes"]
+__all__ = ["AMX_MAX_ROWS", "AmxWeight", "DTYPES", "REWRITE_DTYPES", "WIDENED", "available", "implementation",
+           "onednn_linear", "packed", "packed_bytes", "prepack", "rewrite_linears", "takes"]
 
 
 def available(device: torch.device) -> bool:
@@ -227,7 +227,7 @@ def prepack(weights: Iterable[torch.Tensor], *, background: bool = False, kernel
 
 
 def packed_bytes() -> int:
-    """Bytes held by the reordered copies of the weights alive in this process."""
+    """Bytes held by the copies (reordered, or AMX tiles) of the weights alive in this process."""
     copies = [c.tiles if isinstance(c, AmxWeight) else c for c in _PACKED.values()]
     return sum(c.numel() * c.element_size() for c in copies)
 
