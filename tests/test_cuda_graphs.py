@@ -49,6 +49,28 @@ def test_cpu_call_graphs_generate_the_eager_tokens(llama_checkpoint) -> None:
     assert [o.token_ids for o in eager.generate(prompts, GREEDY)] == expected
 
 
+def test_cpu_call_graphs_of_many_row_bf16_steps_keep_their_linears(llama_checkpoint, tmp_path) -> None:
+    """Decode steps of 16 requests in bf16, their graphs asked for: where the
+    CPU has AMX tiles their linears run on the C kernel's ``amx_linear``, torch
+    work no capture sees, so a replay must make those calls too (it once left
+    them out: every token differed). Elsewhere oneDNN's torch work makes the
+    capture refuse that size. The tokens equal a run without graphs either way."""
+    path, model = llama_checkpoint
+    prompts = random_prompts(16, list(range(5, 21)), model.config.vocab_size, seed=3)
+    common = dict(device="cpu", dtype="bfloat16", optimization_level=2, max_num_seqs=16, cache_dir=str(tmp_path))
+    plain = Runtime.load(path, cudagraph_mode="NONE", **common)
+    expected = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    rt = Runtime.load(path, cudagraph_capture_sizes=[1, 2, 4, 8, 16], **common)
+    assert [o.token_ids for o in rt.generate(prompts, GREEDY)] == expected
+    wrapper = rt.engine.runner.forward
+    if rt.engine.runner.compiled.linear_kernel.amx:
+        assert 16 in {d.num_tokens for d in wrapper.entries}
+        assert wrapper.entries and all(entry.graph.native is not None for entry in wrapper.entries.values())
+        assert wrapper.replays >= GREEDY.max_tokens - 2
+    else:
+        assert 16 not in rt.engine.runner.dispatcher.capture_sizes
+
+
 def test_a_step_with_torch_work_runs_without_a_cpu_call_graph(llama_checkpoint, caplog) -> None:
     """Torch work inside the forward would be left out of a replay: the
     capture refuses it, that size is dropped, and the step runs again

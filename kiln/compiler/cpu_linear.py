@@ -183,6 +183,8 @@ class CpuLinearKernel:
             self._amx_linear = library.kiln_amx_linear
             self._amx_linear.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i32]
             self._amx_linear.restype = ctypes.c_int
+            if self._amx_linear_ext is not None:  # ``amx_linear`` passes its arguments on in order
+                register_c_function(self._amx_linear_ext, self._amx_linear)
         # kiln_replay: a CPU call graph's calls made from C (kiln.graphs.cpu);
         # None in a library built before it was there
         self.replay_loop: Any = None
@@ -248,8 +250,11 @@ class CpuLinearKernel:
         return out.view(*x.shape[:-1], n)
 
     def native_sites(self) -> list[tuple[object, str]]:
-        """Where ``__call__`` finds its native functions (``kiln.graphs.cpu``)."""
-        return [(self, "_linear"), (self, "_fn")]
+        """Where ``__call__`` and ``amx_linear`` find their native functions
+        (``kiln.graphs.cpu``). A call made elsewhere would be left out of a
+        replay without a word: an AMX linear does no torch work a capture
+        could refuse."""
+        return [(self, "_linear"), (self, "_fn"), (self, "_amx_linear_ext"), (self, "_amx_linear")]
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None,
                  offsets: torch.Tensor | None, bias: torch.Tensor | None, kind: str) -> torch.Tensor:
