@@ -102,48 +102,66 @@ def paged_attention_torch(
     meta: TorchAttentionMetadata,
     scale: float,
     sliding_window: int,
+    *,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Attention over the paged cache: the decode batch in one SDPA call, every
-    other request in one SDPA call of its own.
+    other request in one SDPA call of its own. ``new_kv``: the step's keys and
+    values ([T, kv_heads, head_dim]), already written to the cache, which a
+    chunk with no cached prefix then reads as they are instead of gathering
+    its blocks.
 
     Queries of a request are the last ``q_len`` positions of its ``seq_len``-long
     context, so a prefill chunk sees its cached prefix plus itself causally and a
-    decode token sees everything. Grouped-query heads are folded into the query
-    length instead of repeating K/V.
+    decode token sees everything. Grouped-query heads share their KV head
+    without a copy of it: folded into the query length in the decode batch,
+    SDPA's ``enable_gqa`` in the others.
     """
     if meta.decode is not None:
         _decode_attention(query, kv_cache[0], kv_cache[1], out, meta.decode, scale, sliding_window)
-    _attend_each(query, kv_cache, out, meta, scale, sliding_window)
+    _attend_each(query, kv_cache, out, meta, scale, sliding_window, new_kv)
 
 
 def _attend_each(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, meta: TorchAttentionMetadata,
-                 scale: float, sliding_window: int) -> None:
-    """The requests of ``meta.per_request``, one SDPA call each."""
+                 scale: float, sliding_window: int, new_kv: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """The requests of ``meta.per_request``, one SDPA call each, its grouped
+    query heads sharing their KV head inside SDPA (``enable_gqa``). A chunk
+    with no cached prefix and no window cut is plainly causal (``is_causal``),
+    which lets SDPA's fused kernel skip the blocks above the diagonal where a
+    mask makes it compute and discard them. One layer of the 135M shape in
+    bf16, 2 threads, against the queries folded into one KV head's rows and
+    a mask: a 512-token prompt 1.0 against 1.65 ms, 2048 tokens 10.0 against
+    23.9 ms, a prefill step of 21 prompts of 16-128 tokens 2.6-2.9 ms against
+    4.6 (scratch timings)."""
     if not meta.per_request:
         return
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[-2]
-    group = num_heads // num_kv_heads
+    grouped = num_heads != num_kv_heads
     qsl, seq_lens, nblocks = meta.query_start_loc, meta.seq_lens, meta.num_blocks
     key_cache, value_cache = kv_cache[0], kv_cache[1]
+    if new_kv is not None and new_kv[0].dtype != kv_cache.dtype:
+        new_kv = None  # the cache holds other values than the step computed: read them there
     for i in meta.per_request:
         start, end = qsl[i], qsl[i + 1]
         q_len, ctx = end - start, seq_lens[i]
         if q_len == 0:
             continue
-        blocks = meta.block_table[i, : nblocks[i]]
-        k = key_cache.index_select(0, blocks).flatten(0, 1)[:ctx]
-        v = value_cache.index_select(0, blocks).flatten(0, 1)[:ctx]
-        mask = _mask(ctx, q_len, sliding_window, group, query.device)
-        # [q_len, H, D] -> [1, KV, group * q_len, D]: each KV head serves `group` query
-        # heads. 4-D inputs let SDPA take its fused CPU kernel.
-        q = query[start:end].view(q_len, num_kv_heads, group, head_dim)
-        q = q.permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * q_len, head_dim)
-        o = F.scaled_dot_product_attention(
-            q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale
-        )
-        o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
-        out[start:end].copy_(o.reshape(q_len, num_heads, head_dim))
+        if new_kv is not None and ctx == q_len:  # no cached prefix: the chunk's own keys and values
+            k, v = new_kv[0][start:end], new_kv[1][start:end]
+        else:
+            blocks = meta.block_table[i, : nblocks[i]]
+            k = key_cache.index_select(0, blocks).flatten(0, 1)[:ctx]
+            v = value_cache.index_select(0, blocks).flatten(0, 1)[:ctx]
+        # [ctx, KV, D] -> [1, KV, ctx, D]; the queries [q_len, H, D] -> [1, H, q_len, D]:
+        # 4-D inputs let SDPA take its fused CPU kernel
+        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        q = query[start:end].transpose(0, 1).unsqueeze(0)
+        causal = q_len == ctx and q_len > 1 and not (sliding_window > 0 and ctx > sliding_window)
+        mask = None if causal else _mask(ctx, q_len, sliding_window, query.device)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                           enable_gqa=grouped)
+        out[start:end].copy_(o[0].transpose(0, 1))
 
 
 def _decode_attention(
@@ -242,9 +260,9 @@ class _NativeSteps:
         return self._last
 
 
-def _mask(ctx: int, q_len: int, sliding_window: int, group: int, device: torch.device) -> torch.Tensor | None:
-    """Causal (and sliding-window) mask of ``q_len`` queries at the end of a
-    ``ctx``-long context, repeated per grouped head; None when nothing is masked."""
+def _mask(ctx: int, q_len: int, sliding_window: int, device: torch.device) -> torch.Tensor | None:
+    """Causal (and sliding-window) mask ``[q_len, ctx]`` of ``q_len`` queries at
+    the end of a ``ctx``-long context; None when nothing is masked."""
     if q_len == 1 and not (sliding_window > 0 and ctx > sliding_window):
         return None
     q_pos = torch.arange(ctx - q_len, ctx, device=device)[:, None]
@@ -252,7 +270,7 @@ def _mask(ctx: int, q_len: int, sliding_window: int, group: int, device: torch.d
     mask = k_pos <= q_pos
     if sliding_window > 0:
         mask &= k_pos > q_pos - sliding_window
-    return mask.repeat(group, 1)
+    return mask
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -306,8 +324,8 @@ class TorchAttentionBackend(AttentionBackend):
         step, kernel = meta.native, self.decode_kernel
         if step is not None and kernel is not None and kernel.layer(query, key, value, out, kv_cache, step, scale,
                                                                     sliding_window):
-            _attend_each(query, kv_cache, out, meta, scale, sliding_window)  # the prefill chunks
+            _attend_each(query, kv_cache, out, meta, scale, sliding_window, (key, value))  # the prefill chunks
             return
         if n:
             write_kv_cache(key, value, kv_cache, meta.slot_mapping)
-        paged_attention_torch(query, kv_cache, out, meta, scale, sliding_window)
+        paged_attention_torch(query, kv_cache, out, meta, scale, sliding_window, new_kv=(key, value))
