@@ -135,9 +135,7 @@ def _attend_each(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
     4.6 (scratch timings)."""
     if not meta.per_request:
         return
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = kv_cache.shape[-2]
-    grouped = num_heads != num_kv_heads
+    grouped = query.shape[1] != kv_cache.shape[-2]  # query heads against KV heads
     qsl, seq_lens, nblocks = meta.query_start_loc, meta.seq_lens, meta.num_blocks
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     if new_kv is not None and new_kv[0].dtype != kv_cache.dtype:
