@@ -343,6 +343,23 @@ def test_kiln_replay_makes_a_call_graphs_calls_from_c(native_kernel) -> None:
     torch.testing.assert_close(outs[1], F.linear(v, w8), atol=1e-4, rtol=1e-4)
 
 
+def test_every_native_function_a_step_can_call_is_a_call_graph_site(native_kernel) -> None:
+    """A step's native call made through no site drops out of a CPU call
+    graph's replay without a word (the AMX linears once did). Every native
+    function the kernel holds is a site, or one of those named here that no
+    step's forward calls: a new entry must be put on one side or the other."""
+    import types
+
+    def native(value: object) -> bool:
+        return isinstance(value, (ctypes._CFuncPtr, types.BuiltinFunctionType))
+
+    held = {name for name, value in vars(native_kernel).items() if native(value)}
+    sites = {name for holder, name in native_kernel.native_sites() if holder is native_kernel}
+    outside_a_step = {"_argmax", "_amx_pack", "replay_loop"}  # the sampler's, the load's, the replay's own
+    assert held - outside_a_step <= sites, f"native functions no CPU call graph records: {held - outside_a_step - sites}"
+    assert {"_fn", "_linear"} <= held  # the test sees the kernel's functions at all
+
+
 def test_kiln_replay_stops_at_a_call_that_returns_otherwise(native_kernel) -> None:
     """A checked call whose return differs from its capture's raises
     ReplayError naming it, as the Python loop does: here libc's ``strlen``
