@@ -16,9 +16,11 @@ kiln -O2, in one scratch A/B with the kernel's first version (3.5 ms at 64 x
 192): about 480 against 350 ms at 64 requests, 44.6 against 39.1 ms at one.
 
 A layer is one call (``PagedDecodeKernel.layer``): the step's new keys and
-values are written into the cache and the single-query requests attended to,
-with what every layer shares (rows, block tables, lengths, slots) handed over
-once a step in a ``DecodeStep``. Two calls a layer before, each with its
+values are written into the cache and its query rows attended to, with what
+every layer shares (rows, block tables, lengths, slots) handed over once a
+step in a ``DecodeStep``. A row is a single-query request's token, or one
+token of a short prefill chunk, whose context then ends at that token: the
+kernel knows no requests, only rows and the contexts they see. Two calls a layer before, each with its
 checks, and four views of the cache made in Python: the backend's forward at
 one request of 100 tokens took 23-44 us a layer, now 12-17 us (2 threads,
 scratch timing), about 0.5 ms of a 30-layer decode step.
@@ -68,11 +70,12 @@ class StepArgs(ctypes.Structure):
 
 class DecodeStep:
     """What every layer of a step hands the kernel, built once per step on the
-    host: the single-query requests' query rows (``rows`` [B] int64), block
-    tables (``block_table`` [B, stride] int32, rows contiguous) and context
-    lengths (``seq_lens`` [B] int32), and the cache slots of the step's ``n``
-    new tokens (``slots``, int64, every one a real slot). The tensors are kept
-    here as long as the kernel may read them.
+    host: the query rows it attends (``rows`` [B] int64), each one's block
+    table (``block_table`` [B, stride] int32, rows contiguous) and context
+    length (``seq_lens`` [B] int32, the row's own token the last of it), and
+    the cache slots of the step's ``n`` new tokens (``slots``, int64, every one
+    a real slot). The tensors are kept here as long as the kernel may read
+    them.
 
     ``args``: the structure to write them into, in place of a new one. An
     attention backend hands the same one to every step, so that its address
@@ -86,7 +89,7 @@ class DecodeStep:
                 and seq_lens.is_contiguous() and slots.is_contiguous() and slots.shape[0] >= n):
             raise ValueError("DecodeStep takes int64 rows and slots, int32 block tables and lengths, contiguous")
         self.rows, self.block_table, self.seq_lens, self.slots = rows, block_table, seq_lens, slots
-        self.num_requests, self.num_tokens = rows.shape[0], n
+        self.num_rows, self.num_tokens = rows.shape[0], n
         fields = (rows.data_ptr(), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), rows.shape[0],
                   slots.data_ptr(), n, torch.get_num_threads())
         if args is None:
@@ -120,7 +123,7 @@ class PagedDecodeKernel:
               kv_cache: torch.Tensor, step: DecodeStep, scale: float, sliding_window: int) -> bool:
         """Write the step's new ``key``/``value`` rows ([T, KV, D]) into
         ``kv_cache`` ([2, blocks, block_size, KV, D]) at the step's slots, then
-        attend each single-query request's row of ``query`` ([T, H, D]) to its
+        attend each of the step's rows of ``query`` ([T, H, D]) to its
         context, writing the same rows of ``out``. False, with nothing written,
         where the kernel does not take these tensors (a dtype other than fp32
         and bf16, heads not side by side in a row, more than 32 query heads to a

@@ -618,8 +618,9 @@ static int write_kv(const void *key, int64_t k_stride, const void *value, int64_
 }
 
 /* What every layer of a step shares, filled once a step by the caller
- * (kiln.attention.cpu_decode.DecodeStep): the single-query requests' rows,
- * block tables and lengths, and the cache slots of the step's new tokens. */
+ * (kiln.attention.cpu_decode.DecodeStep): the query rows (a single-query
+ * request's token, or one token of a short prefill chunk), each one's block
+ * table and context length, and the cache slots of the step's new tokens. */
 typedef struct {
     const int64_t *rows;
     const int32_t *block_table;
@@ -632,8 +633,8 @@ typedef struct {
 } kiln_step;
 
 /* One layer of a step: its n new keys and values ([n, KV, D] rows) written
- * into cache ([2, num_slots / bs, bs, KV, D]), then every single-query request
- * attended to. One call from Python where there were two, each with its own
+ * into cache ([2, num_slots / bs, bs, KV, D]), then every query row attended
+ * to (all of the new keys are in place first: a chunk's rows see each other). One call from Python where there were two, each with its own
  * checks. Returns 0; -1 when a slot is outside the cache, -2 when the shapes
  * exceed the limits (nothing written either way: the caller's torch path
  * takes the layer). */

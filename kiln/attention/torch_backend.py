@@ -5,8 +5,10 @@ their blocks gathered and padded to the longest context, or, on CPU with the C
 kernel a compiled entry brings (``kiln.attention.cpu_decode``), through that
 kernel, which writes the layer's new keys and values and reads the cache in
 place in one call; prefill chunks walk their requests in Python with host-side
-lengths, one SDPA call each. Host-side lengths mean it can never
-sit inside a FULL CUDA graph.
+lengths, one SDPA call each, except that with the kernel a short chunk's
+tokens are rows of its call, like decode tokens
+(``TorchAttentionBackend.native_chunk_pairs``). Host-side lengths mean it can
+never sit inside a FULL CUDA graph.
 
 With the C kernel, a step of single-query requests is one kernel call a
 layer whose per-step values (rows, block tables, lengths, slots) the kernel
@@ -55,9 +57,12 @@ class TorchAttentionMetadata:
     block_table: torch.Tensor  # device
     slot_mapping: torch.Tensor  # device
     per_request: tuple[int, ...]  # requests attended to one by one (all of them when decode is None)
-    # the step for the C kernel, when the backend has one: the new tokens' slots
-    # and the single-query requests (those of ``decode``, or none)
+    # the step for the C kernel, when the backend has one: the new tokens' slots,
+    # the single-query requests (those of ``decode``, or none) and, a row per
+    # token, the short chunks of ``native_chunks``
     native: DecodeStep | None = None
+    # the chunks of ``per_request`` the C kernel attends to when it takes the layer
+    native_chunks: frozenset[int] = frozenset()
     # what ``decode`` is gathered from, on its first use: the step's metadata and
     # the batched single-query requests (empty: none)
     common: CommonAttentionMetadata | None = None
@@ -119,12 +124,13 @@ def paged_attention_torch(
     """
     if meta.decode is not None:
         _decode_attention(query, kv_cache[0], kv_cache[1], out, meta.decode, scale, sliding_window)
-    _attend_each(query, kv_cache, out, meta, scale, sliding_window, new_kv)
+    _attend_each(query, kv_cache, out, meta, scale, sliding_window, new_kv, meta.per_request)
 
 
 def _attend_each(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, meta: TorchAttentionMetadata,
-                 scale: float, sliding_window: int, new_kv: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-    """The requests of ``meta.per_request``, one SDPA call each, its grouped
+                 scale: float, sliding_window: int, new_kv: tuple[torch.Tensor, torch.Tensor] | None,
+                 requests: tuple[int, ...]) -> None:
+    """The ``requests`` (of ``meta.per_request``), one SDPA call each, its grouped
     query heads sharing their KV head inside SDPA (``enable_gqa``). A chunk
     with no cached prefix and no window cut is plainly causal (``is_causal``),
     which lets SDPA's fused kernel skip the blocks above the diagonal where a
@@ -133,14 +139,14 @@ def _attend_each(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
     a mask: a 512-token prompt 1.0 against 1.65 ms, 2048 tokens 10.0 against
     23.9 ms, a prefill step of 21 prompts of 16-128 tokens 2.6-2.9 ms against
     4.6 (scratch timings)."""
-    if not meta.per_request:
+    if not requests:
         return
     grouped = query.shape[1] != kv_cache.shape[-2]  # query heads against KV heads
     qsl, seq_lens, nblocks = meta.query_start_loc, meta.seq_lens, meta.num_blocks
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     if new_kv is not None and new_kv[0].dtype != kv_cache.dtype:
         new_kv = None  # the cache holds other values than the step computed: read them there
-    for i in meta.per_request:
+    for i in requests:
         start, end = qsl[i], qsl[i + 1]
         q_len, ctx = end - start, seq_lens[i]
         if q_len == 0:
@@ -236,15 +242,25 @@ class _NativeSteps:
         self._last_tensors: tuple[torch.Tensor, ...] = ()  # compared by identity
 
     def step(self, common: CommonAttentionMetadata, decodes: list[int], qsl: list[int],
-             seq_lens: list[int]) -> DecodeStep:
+             seq_lens: list[int], chunks: list[int]) -> DecodeStep:
         """The single-query requests' rows, block tables and lengths (none in a
-        step of prefills only), and the new tokens' slots."""
-        if not (decodes and decodes[-1] - decodes[0] == len(decodes) - 1):
+        step of prefills only), then a row for each token of the ``chunks``
+        (requests of several query tokens), of the length its causal context
+        has, and the new tokens' slots."""
+        if chunks or not (decodes and decodes[-1] - decodes[0] == len(decodes) - 1):
             self._last = None
-            rows = torch.tensor([qsl[i] for i in decodes], dtype=torch.int64)
-            table = common.block_table[torch.tensor(decodes, dtype=torch.int64)]
-            lens = torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int32)
-            return DecodeStep(rows, table, lens, common.slot_mapping, common.num_actual_tokens, self.args)
+            rows, owners, lens = [qsl[i] for i in decodes], list(decodes), [seq_lens[i] for i in decodes]
+            for i in chunks:
+                start, q_len = qsl[i], qsl[i + 1] - qsl[i]
+                first = seq_lens[i] - q_len + 1  # the chunk's first token sees the cached prefix and itself
+                rows.extend(range(start, start + q_len))
+                owners.extend([i] * q_len)
+                lens.extend(range(first, first + q_len))
+            # the columns the longest context spans: a prefill step's rows number in the thousands
+            width = max(-(-seq_lens[i] // common.block_size) for i in (*decodes, *chunks)) if owners else 0
+            table = common.block_table[torch.tensor(owners, dtype=torch.int64), :width]
+            return DecodeStep(torch.tensor(rows, dtype=torch.int64), table, torch.tensor(lens, dtype=torch.int32),
+                              common.slot_mapping, common.num_actual_tokens, self.args)
         # consecutive requests: consecutive rows, and views of the step's buffers
         first, d0, d1 = qsl[decodes[0]], decodes[0], decodes[-1] + 1
         key = (first, d0, d1, common.num_actual_tokens, torch.get_num_threads())
@@ -256,6 +272,12 @@ class _NativeSteps:
                                 common.seq_lens[d0:d1], common.slot_mapping, common.num_actual_tokens, self.args)
         self._last_key, self._last_tensors = key, tensors
         return self._last
+
+
+def _pairs(q_len: int, ctx: int) -> int:
+    """The (query, key) pairs of a chunk of ``q_len`` tokens at the end of a
+    ``ctx``-long context, each token seeing those before it and itself."""
+    return q_len * (ctx - q_len) + q_len * (q_len + 1) // 2
 
 
 def _mask(ctx: int, q_len: int, sliding_window: int, device: torch.device) -> torch.Tensor | None:
@@ -278,6 +300,19 @@ class TorchAttentionBackend(AttentionBackend):
     #: each is attended to alone (one request needs no padding or mask). With
     #: the C kernel every single-query request goes through it.
     min_decode_batch = 2
+    #: With the C kernel, the most (query, key) pairs a chunk of several
+    #: tokens may have for the kernel to attend to it, a row per token, in its
+    #: call for the layer (``_pairs``); longer chunks take one SDPA call each.
+    #: The kernel reads the chunk's keys again for each of its tokens, where
+    #: SDPA's fused kernel multiplies tiles of them, but SDPA's call with the
+    #: views around it takes 70-80 us a chunk a layer even for a short one,
+    #: and the kernel's rows about 30 ns a pair (4 us for 16 tokens, 60 for
+    #: 64). Prefill steps of the 135M shape in bf16, 2 threads of an Intel
+    #: Xeon, median of 7 taking turns (scratch A/B, 2026-12-05), against SDPA
+    #: for every chunk: 16 prompts of 24 tokens 92 against 118 ms, 32 of 40
+    #: tokens 267 against 321, 12 of 90 tokens 265 against 285, 8 of 64 tokens
+    #: 130 against 133, one of 20 tokens 18.9 against 21.1.
+    native_chunk_pairs = 4096
 
     def __init__(self, decode_kernel: PagedDecodeKernel | None = None) -> None:
         self.decode_kernel = decode_kernel
@@ -299,6 +334,8 @@ class TorchAttentionBackend(AttentionBackend):
         native = self.decode_kernel is not None
         batched = len(decodes) >= (1 if native else self.min_decode_batch)
         per_request = tuple(i for i in reqs if qsl[i + 1] - qsl[i] != 1) if batched else tuple(reqs)
+        chunks = [i for i in per_request if _pairs(qsl[i + 1] - qsl[i], seq_lens[i]) <= self.native_chunk_pairs
+                  ] if native else []
         return TorchAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             num_reqs=common.num_reqs,
@@ -308,7 +345,8 @@ class TorchAttentionBackend(AttentionBackend):
             block_table=common.block_table,
             slot_mapping=common.slot_mapping,
             per_request=per_request,
-            native=self.native_steps.step(common, decodes, qsl, seq_lens) if native else None,
+            native=self.native_steps.step(common, decodes, qsl, seq_lens, chunks) if native else None,
+            native_chunks=frozenset(chunks),
             common=common,
             decodes=tuple(decodes) if batched else (),
         )
@@ -322,7 +360,10 @@ class TorchAttentionBackend(AttentionBackend):
         step, kernel = meta.native, self.decode_kernel
         if step is not None and kernel is not None and kernel.layer(query, key, value, out, kv_cache, step, scale,
                                                                     sliding_window):
-            _attend_each(query, kv_cache, out, meta, scale, sliding_window, (key, value))  # the prefill chunks
+            rest = meta.per_request  # the chunks the kernel left to SDPA
+            if meta.native_chunks:
+                rest = tuple(i for i in rest if i not in meta.native_chunks)
+            _attend_each(query, kv_cache, out, meta, scale, sliding_window, (key, value), rest)
             return
         if n:
             write_kv_cache(key, value, kv_cache, meta.slot_mapping)

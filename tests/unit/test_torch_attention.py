@@ -142,10 +142,14 @@ def kernel_only(monkeypatch: pytest.MonkeyPatch) -> None:
         ([1], [13]),  # one request: a work item per KV head
         ([1, 1, 6, 1, 1], [12, 5, 10, 20, 2]),  # rows not contiguous (a prefill chunk between)
         ([1] * 9, [3, 17, 9, 1, 20, 4, 5, 13, 8]),  # enough requests for all heads in one item
+        ([4, 1, 7, 3], [4, 9, 12, 3]),  # chunks with and without a cached prefix, rows of the kernel
     ],
 )
+# the chunks by SDPA, some by each (the 7-token chunk has 63 pairs), all by the kernel
+@pytest.mark.parametrize("chunk_pairs", [0, 30, TorchAttentionBackend.native_chunk_pairs])
 def test_the_c_decode_kernel_equals_dense_attention(decode_kernel, kernel_only, q_lens, seq_lens, window: int,
-                                                    kv_heads: int, group: int, head_dim: int) -> None:
+                                                    kv_heads: int, group: int, head_dim: int,
+                                                    chunk_pairs: int) -> None:
     kv_cache, common, query, key, value = _step(q_lens, seq_lens, seed=2, kv_heads=kv_heads, group=group,
                                                 head_dim=head_dim)
     # the query as the model hands it over: a view of the fused q/k/v projection, rows strided
@@ -153,9 +157,15 @@ def test_the_c_decode_kernel_equals_dense_attention(decode_kernel, kernel_only, 
     fused[:, : kv_heads * group] = query
     query = fused[:, : kv_heads * group]
     backend = TorchAttentionBackend().with_decode_kernel(decode_kernel)
+    backend.native_chunk_pairs = chunk_pairs
     meta = backend.build_metadata(common)
-    assert meta.native is not None and meta.native.num_requests == sum(q == 1 for q in q_lens)
-    out = torch.full_like(query, float("nan"))  # every row is written: decodes by the kernel, the rest by SDPA
+    # a row for each decode and for each token of the chunks short enough
+    short = {i for i, (q, n) in enumerate(zip(q_lens, seq_lens))
+             if q > 1 and q * (n - q) + q * (q + 1) // 2 <= chunk_pairs}
+    assert meta.native_chunks == short
+    rows = sum(q for i, q in enumerate(q_lens) if q == 1 or i in short)
+    assert meta.native is not None and meta.native.num_rows == rows
+    out = torch.full_like(query, float("nan"))  # every row is written: by the kernel, or the chunks by SDPA
     backend.forward(query, key, value, out, kv_cache, meta, 0.3, window)
     torch.testing.assert_close(out, _dense(kv_cache, common, query, window, 0.3), atol=1e-5, rtol=1e-5)
 
@@ -189,12 +199,10 @@ def test_the_c_decode_kernel_in_bf16_equals_fp32_attention_of_the_same_values(
     backend = TorchAttentionBackend().with_decode_kernel(decode_kernel)
     out = torch.full_like(query, float("nan"))
     backend.forward(query, key, value, out, kv_cache, backend.build_metadata(common), 0.3, window)
-    decodes = [int(common.query_start_loc_cpu[i]) for i, n in enumerate(q_lens) if n == 1]
-    # every score and sum in fp32 from the bf16 values, the output rounded once
+    # every row by the kernel (the chunk's too: it is short), every score and
+    # sum in fp32 from the bf16 values, the output rounded once
     want = _dense(kv_cache.float(), common, query.float(), window, 0.3)
-    torch.testing.assert_close(out[decodes].float(), want[decodes].to(torch.bfloat16).float(), atol=1e-2,
-                               rtol=2 ** -7)
-    torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=3e-2)  # the prefill rows by SDPA in bf16
+    torch.testing.assert_close(out.float(), want.to(torch.bfloat16).float(), atol=1e-2, rtol=2 ** -7)
 
 
 def _share(kernel, seq_lens: list[int], heads: int, kv_heads: int, block_size: int, window: int,
@@ -277,7 +285,7 @@ def test_a_decode_step_over_the_same_buffers_reuses_its_kernel_step(decode_kerne
     # other tensors, or requests no longer consecutive: a step of their own
     assert backend.build_metadata(replace(common, seq_lens=common.seq_lens.clone())).native is not first.native
     mixed = backend.build_metadata(_step([1, 3, 1], [5, 8, 6], seed=14)[1]).native
-    assert mixed is not first.native and mixed.num_requests == 2
+    assert mixed is not first.native and mixed.num_rows == 5  # 2 decodes and the chunk's 3 tokens
 
 
 def test_the_c_decode_kernel_leaves_other_dtypes_to_the_torch_path(decode_kernel) -> None:
