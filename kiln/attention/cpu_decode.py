@@ -20,10 +20,11 @@ values are written into the cache and its query rows attended to, with what
 every layer shares (rows, block tables, lengths, slots) handed over once a
 step in a ``DecodeStep``. A row is a single-query request's token, or one
 token of a short prefill chunk, whose context then ends at that token: the
-kernel knows no requests, only rows and the contexts they see. Two calls a layer before, each with its
-checks, and four views of the cache made in Python: the backend's forward at
-one request of 100 tokens took 23-44 us a layer, now 12-17 us (2 threads,
-scratch timing), about 0.5 ms of a 30-layer decode step.
+kernel knows no requests, only rows and the contexts they see. Two calls a
+layer before, each with its checks, and four views of the cache made in
+Python: the backend's forward at one request of 100 tokens took 23-44 us a
+layer, now 12-17 us (2 threads, scratch timing), about 0.5 ms of a 30-layer
+decode step.
 
 It is a compiled artifact like Inductor's kernels (``kiln.native``): built
 when a CPU entry is compiled, kept in the Inductor cache, loaded at a warm

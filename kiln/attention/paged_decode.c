@@ -634,10 +634,11 @@ typedef struct {
 
 /* One layer of a step: its n new keys and values ([n, KV, D] rows) written
  * into cache ([2, num_slots / bs, bs, KV, D]), then every query row attended
- * to (all of the new keys are in place first: a chunk's rows see each other). One call from Python where there were two, each with its own
- * checks. Returns 0; -1 when a slot is outside the cache, -2 when the shapes
- * exceed the limits (nothing written either way: the caller's torch path
- * takes the layer). */
+ * to (all of the new keys are in place first: a chunk's rows see each other).
+ * One call from Python where there were two, each with its own checks.
+ * Returns 0; -1 when a slot is outside the cache, -2 when the shapes exceed
+ * the limits (nothing written either way: the caller's torch path takes the
+ * layer). */
 int kiln_decode_layer(const kiln_step *st, const void *query, int64_t q_stride, const void *key, int64_t k_stride,
                       const void *value, int64_t v_stride, void *cache, int64_t num_slots, void *out,
                       int64_t out_stride, int64_t H, int64_t KV, int64_t D, int64_t bs, int32_t scale_bits,

@@ -59,10 +59,11 @@ class TorchAttentionMetadata:
     per_request: tuple[int, ...]  # requests attended to one by one (all of them when decode is None)
     # the step for the C kernel, when the backend has one: the new tokens' slots,
     # the single-query requests (those of ``decode``, or none) and, a row per
-    # token, the short chunks of ``native_chunks``
+    # token, the short chunks (those of ``per_request`` not ``left_by_native``)
     native: DecodeStep | None = None
-    # the chunks of ``per_request`` the C kernel attends to when it takes the layer
-    native_chunks: frozenset[int] = frozenset()
+    # the requests of ``per_request`` left to SDPA when the C kernel takes the
+    # layer: the chunks too long for it (``native_chunk_pairs``)
+    left_by_native: tuple[int, ...] = ()
     # what ``decode`` is gathered from, on its first use: the step's metadata and
     # the batched single-query requests (empty: none)
     common: CommonAttentionMetadata | None = None
@@ -336,6 +337,7 @@ class TorchAttentionBackend(AttentionBackend):
         per_request = tuple(i for i in reqs if qsl[i + 1] - qsl[i] != 1) if batched else tuple(reqs)
         chunks = [i for i in per_request if _pairs(qsl[i + 1] - qsl[i], seq_lens[i]) <= self.native_chunk_pairs
                   ] if native else []
+        short = set(chunks)
         return TorchAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             num_reqs=common.num_reqs,
@@ -346,7 +348,7 @@ class TorchAttentionBackend(AttentionBackend):
             slot_mapping=common.slot_mapping,
             per_request=per_request,
             native=self.native_steps.step(common, decodes, qsl, seq_lens, chunks) if native else None,
-            native_chunks=frozenset(chunks),
+            left_by_native=tuple(i for i in per_request if i not in short),
             common=common,
             decodes=tuple(decodes) if batched else (),
         )
@@ -360,10 +362,7 @@ class TorchAttentionBackend(AttentionBackend):
         step, kernel = meta.native, self.decode_kernel
         if step is not None and kernel is not None and kernel.layer(query, key, value, out, kv_cache, step, scale,
                                                                     sliding_window):
-            rest = meta.per_request  # the chunks the kernel left to SDPA
-            if meta.native_chunks:
-                rest = tuple(i for i in rest if i not in meta.native_chunks)
-            _attend_each(query, kv_cache, out, meta, scale, sliding_window, (key, value), rest)
+            _attend_each(query, kv_cache, out, meta, scale, sliding_window, (key, value), meta.left_by_native)
             return
         if n:
             write_kv_cache(key, value, kv_cache, meta.slot_mapping)
