@@ -35,7 +35,8 @@
  * fp32 0.89 -> 0.61 ms, bf16 0.96 -> 0.50 ms; the AVX2 build 0.92 -> 0.72 and
  * 0.99 -> 0.75 ms (scratch runs of python -m bench.cpu_kernels --only
  * decode-attention's cases). In an engine each layer's cache comes from DRAM:
- * the next block is prefetched while one is computed (prefetch_block).
+ * the next block is prefetched while one is computed, a line at a time
+ * between its rows (Prefetch).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -51,6 +52,9 @@
  * of 40 tokens (3 blocks of 16) in two runs took 11.1 us a layer against 10.6
  * as a head an item (the scratch A/B quoted there). */
 #define KILN_MIN_RUN 4
+/* Lines of the next block asked for before a block's first row (Prefetch):
+ * 4 and 32 did as well in the A/B quoted there. */
+#define KILN_PREFETCH_AHEAD 16
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t bits = (uint32_t)v << 16;
@@ -90,6 +94,43 @@ static inline float exp_nonpos(float x) {
     bits += ((int32_t)n) << 23;
     memcpy(&p, &bits, 4);
     return p;
+}
+
+/* The next block's keys and values, asked for a cache line of each at a time
+ * between the rows of the block being computed (prefetch_some), its rows
+ * lying anywhere in the cache, where the hardware's prefetchers do not
+ * follow. Asked for all at once before a block (one prefetch a line: 192 for
+ * a block of the 135M shape), the prefetches stalled the core once its few
+ * line-fill buffers were taken, so the block's reads and its arithmetic took
+ * turns; spread over the rows they overlap. A 64-request bf16 step of the 135M
+ * shape (96-216 tokens, 2 threads of an Intel Xeon, scratch A/B taking
+ * turns): attention 16.5-17.4 -> 13.2-13.9 ms, the step 42.4-44.5 -> 38.9-41.0
+ * ms; asking for a line every second row, or two lines a row with none ahead
+ * of the first row, did worse (14.6-15.0 ms the latter). */
+typedef struct {
+    const char *k, *v;   /* the block's row 0 at the work item's first KV head */
+    int64_t row, span;   /* bytes from a row to the next; bytes a row to fetch */
+    int64_t rows, r, o;  /* rows to fetch (0: nothing), the next line's row and offset */
+} Prefetch;
+
+static inline void prefetch_start(Prefetch *pf, const void *key, const void *value, int64_t blk, int64_t bs,
+                                  int64_t pos_stride, int64_t offset, int64_t span, size_t esize) {
+    pf->rows = blk >= 0 ? bs : 0;
+    pf->r = pf->o = 0;
+    pf->row = pos_stride * (int64_t)esize;
+    pf->span = span * (int64_t)esize;
+    pf->k = (const char *)key + (blk * bs * pos_stride + offset) * (int64_t)esize;
+    pf->v = (const char *)value + (blk * bs * pos_stride + offset) * (int64_t)esize;
+}
+
+/* The next n lines of the block's keys and of its values. */
+static inline __attribute__((always_inline)) void prefetch_some(Prefetch *pf, int64_t n) {
+    for (int64_t i = 0; i < n && pf->r < pf->rows; ++i) {
+        __builtin_prefetch(pf->k + pf->r * pf->row + pf->o, 0, 3);
+        __builtin_prefetch(pf->v + pf->r * pf->row + pf->o, 0, 3);
+        pf->o += 64;
+        if (pf->o >= pf->span) { pf->o = 0; pf->r++; }
+    }
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -158,13 +199,14 @@ static inline __m512 sums16(const __m512 *v) {
  * and rows j in [lo, hi) of one KV head (k: its row 0; rows `stride` apart). */
 static inline __attribute__((always_inline)) void group_scores(
         const float *q, const void *k, int64_t stride, int64_t D, int64_t lo, int64_t hi,
-        float (*s)[KILN_MAX_BLOCK], const int NH, const int bf16) {
+        float (*s)[KILN_MAX_BLOCK], Prefetch *pf, const int NH, const int bf16) {
     for (int64_t j0 = lo; j0 < hi; j0 += 16) {
         const int64_t nr = hi - j0 < 16 ? hi - j0 : 16;
         __m512 part[8][16];
         for (int64_t r = 0; r < 16; ++r) {
             __m512 a[8], b[8];
             for (int g = 0; g < NH; ++g) a[g] = b[g] = _mm512_setzero_ps();
+            if (r < nr) prefetch_some(pf, 1);
             if (r < nr)
                 for (int64_t d = 0; d < D; d += 32) {
                     const int64_t at = (j0 + r) * stride + d;
@@ -185,12 +227,13 @@ static inline __attribute__((always_inline)) void group_scores(
  * of one KV head, 64 dims at a time with the accumulators in registers. */
 static inline __attribute__((always_inline)) void group_weighted(
         const float (*s)[KILN_MAX_BLOCK], const void *v, int64_t stride, int64_t D, int64_t lo, int64_t hi,
-        float *acc, const int NH, const int bf16) {
+        float *acc, Prefetch *pf, const int NH, const int bf16) {
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
         __m512 av[6][4];
         for (int g = 0; g < NH; ++g)
             for (int i = 0; i < 4; ++i) av[g][i] = _mm512_loadu_ps(acc + g * D + d0 + 16 * i);
         for (int64_t j = lo; j < hi; ++j) {
+            prefetch_some(pf, 1);
             __m512 vv[4];
             for (int i = 0; i < 4; ++i) vv[i] = load16(v, j * stride + d0 + 16 * i, bf16);
             for (int g = 0; g < NH; ++g) {
@@ -243,12 +286,12 @@ static inline float exp_sum(float *s, int64_t lo, int64_t hi, float mx) {
  * scaled queries; kb: the item's first KV head in the block's row 0). */
 static inline __attribute__((always_inline)) void block_scores(
         const float *qs, const void *kb, int64_t stride, int64_t nkv, int64_t group, int64_t D, int64_t lo,
-        int64_t hi, float (*s)[KILN_MAX_BLOCK], size_t esize, const int bf16) {
+        int64_t hi, float (*s)[KILN_MAX_BLOCK], size_t esize, Prefetch *pf, const int bf16) {
     for (int64_t k = 0; k < nkv; ++k)
         for (int64_t h0 = 0; h0 < group; h0 += 8) {
             const int64_t h = k * group + h0, nh = group - h0 < 8 ? group - h0 : 8;
             const void *kr = (const char *)kb + k * D * esize;
-#define SCORES(NH) group_scores(qs + h * D, kr, stride, D, lo, hi, s + h, NH, bf16)
+#define SCORES(NH) group_scores(qs + h * D, kr, stride, D, lo, hi, s + h, pf, NH, bf16)
             CALL_NH(nh, SCORES)
 #undef SCORES
         }
@@ -257,12 +300,12 @@ static inline __attribute__((always_inline)) void block_scores(
 /* acc[h] += the block's rows weighted by s[h] (vb: as kb above, of values). */
 static inline __attribute__((always_inline)) void block_weighted(
         const float (*s)[KILN_MAX_BLOCK], const void *vb, int64_t stride, int64_t nkv, int64_t group, int64_t D,
-        int64_t lo, int64_t hi, float *acc, size_t esize, const int bf16) {
+        int64_t lo, int64_t hi, float *acc, size_t esize, Prefetch *pf, const int bf16) {
     for (int64_t k = 0; k < nkv; ++k)
         for (int64_t h0 = 0; h0 < group; h0 += 6) {
             const int64_t h = k * group + h0, nh = group - h0 < 6 ? group - h0 : 6;
             const void *vr = (const char *)vb + k * D * esize;
-#define WEIGHTED(NH) group_weighted(s + h, vr, stride, D, lo, hi, acc + h * D, NH, bf16)
+#define WEIGHTED(NH) group_weighted(s + h, vr, stride, D, lo, hi, acc + h * D, pf, NH, bf16)
             CALL_NH(nh, WEIGHTED)
 #undef WEIGHTED
         }
@@ -274,10 +317,11 @@ static inline __attribute__((always_inline)) void block_weighted(
 /* s[j] += q[0:64] . k_j[0:64] for rows j in [lo, hi), q held in registers
    (the loops over 8 vectors unroll fully at -O3). */
 static inline __attribute__((always_inline)) void scores64(const float *q, const void *k, int64_t stride, int64_t lo,
-                                                           int64_t hi, float *s, const int bf16) {
+                                                           int64_t hi, float *s, Prefetch *pf, const int bf16) {
     __m256 qv[8];
     for (int i = 0; i < 8; ++i) qv[i] = _mm256_loadu_ps(q + 8 * i);
     for (int64_t j = lo; j < hi; ++j) {
+        prefetch_some(pf, 1);
         const int64_t r = j * stride;
         __m256 a = _mm256_mul_ps(qv[0], load8(k, r, bf16)), b = _mm256_mul_ps(qv[1], load8(k, r + 8, bf16));
         for (int i = 2; i < 8; i += 2) {  /* two chains: the FMA latency is not the limit */
@@ -290,10 +334,11 @@ static inline __attribute__((always_inline)) void scores64(const float *q, const
 
 /* acc[0:64] += sum_j p[j] v_j[0:64] for rows j in [lo, hi), acc held in registers. */
 static inline __attribute__((always_inline)) void weighted64(const float *p, const void *v, int64_t stride, int64_t lo,
-                                                             int64_t hi, float *acc, const int bf16) {
+                                                             int64_t hi, float *acc, Prefetch *pf, const int bf16) {
     __m256 av[8];
     for (int i = 0; i < 8; ++i) av[i] = _mm256_loadu_ps(acc + 8 * i);
     for (int64_t j = lo; j < hi; ++j) {
+        prefetch_some(pf, 1);
         const __m256 w = _mm256_set1_ps(p[j]);
         for (int i = 0; i < 8; ++i) av[i] = _mm256_fmadd_ps(w, load8(v, j * stride + 8 * i, bf16), av[i]);
     }
@@ -303,22 +348,23 @@ static inline __attribute__((always_inline)) void weighted64(const float *p, con
 /* The block's scores s[h][j], a query head at a time. */
 static inline __attribute__((always_inline)) void block_scores(
         const float *qs, const void *kb, int64_t stride, int64_t nkv, int64_t group, int64_t D, int64_t lo,
-        int64_t hi, float (*s)[KILN_MAX_BLOCK], size_t esize, const int bf16) {
+        int64_t hi, float (*s)[KILN_MAX_BLOCK], size_t esize, Prefetch *pf, const int bf16) {
     for (int64_t h = 0; h < nkv * group; ++h) {
         for (int64_t j = lo; j < hi; ++j) s[h][j] = 0.f;
         for (int64_t d0 = 0; d0 < D; d0 += 64)
-            scores64(qs + h * D + d0, (const char *)kb + ((h / group) * D + d0) * esize, stride, lo, hi, s[h], bf16);
+            scores64(qs + h * D + d0, (const char *)kb + ((h / group) * D + d0) * esize, stride, lo, hi, s[h], pf,
+                     bf16);
     }
 }
 
 /* acc[h] += the block's rows weighted by s[h], a query head at a time. */
 static inline __attribute__((always_inline)) void block_weighted(
         const float (*s)[KILN_MAX_BLOCK], const void *vb, int64_t stride, int64_t nkv, int64_t group, int64_t D,
-        int64_t lo, int64_t hi, float *acc, size_t esize, const int bf16) {
+        int64_t lo, int64_t hi, float *acc, size_t esize, Prefetch *pf, const int bf16) {
     for (int64_t h = 0; h < nkv * group; ++h)
         for (int64_t d0 = 0; d0 < D; d0 += 64)
             weighted64(s[h], (const char *)vb + ((h / group) * D + d0) * esize, stride, lo, hi, acc + h * D + d0,
-                       bf16);
+                       pf, bf16);
 }
 #define KILN_BLOCKED 1
 #else
@@ -367,24 +413,6 @@ static inline float exp_sum(float *s, int64_t lo, int64_t hi, float mx) {
 }
 #endif
 
-/* Ask for a block's keys and values (the work item's heads: `span` elements
- * from `offset` in each of its rows) ahead of their use: a request's blocks
- * lie anywhere in the cache, where the hardware's prefetchers do not follow.
- * With each layer's cache in DRAM (8 layers' caches taking turns), 64
- * requests x 144 tokens: fp32 1.17 -> 0.83 ms, bf16 0.86 -> 0.45 ms a layer;
- * two blocks ahead did no better. */
-static inline void prefetch_block(const void *key, const void *value, int64_t blk, int64_t bs, int64_t pos_stride,
-                                  int64_t offset, int64_t span, size_t esize) {
-    const char *k = (const char *)key + (blk * bs * pos_stride + offset) * esize;
-    const char *v = (const char *)value + (blk * bs * pos_stride + offset) * esize;
-    const int64_t row = pos_stride * (int64_t)esize, bytes = span * (int64_t)esize;
-    for (int64_t j = 0; j < bs; ++j)
-        for (int64_t o = 0; o < bytes; o += 64) {
-            __builtin_prefetch(k + j * row + o, 0, 3);
-            __builtin_prefetch(v + j * row + o, 0, 3);
-        }
-}
-
 /* One work item's share of a request: query heads of KV heads kh0 ..
  * kh0 + heads - 1 (nq = heads * group of them) against the positions pos_lo
  * .. pos_hi - 1, block by block with an online softmax. Leaves each query
@@ -393,7 +421,7 @@ static inline void prefetch_block(const void *key, const void *value, int64_t bl
 static inline __attribute__((always_inline)) void attend(
         const float *qs, const void *key, const void *value, const int32_t *bt, int64_t pos_lo, int64_t pos_hi,
         int64_t kh0, int64_t heads, int64_t group, int64_t D, int64_t bs, int64_t pos_stride, float *acc, float *m,
-        float *l, const int bf16)
+        float *l, const int64_t next[2], const int bf16)
 {
     const size_t esize = bf16 ? 2 : 4;
     const int64_t nq = heads * group;
@@ -408,15 +436,23 @@ static inline __attribute__((always_inline)) void attend(
         const int64_t hi = pos_hi - p0 < bs ? pos_hi - p0 : bs;
         const char *kb = (const char *)key + (blk * bs * pos_stride + kh0 * D) * esize;
         const char *vb = (const char *)value + (blk * bs * pos_stride + kh0 * D) * esize;
-        if (p0 + bs < pos_hi)  /* the next block, while this one is computed */
-            prefetch_block(key, value, bt[p0 / bs + 1], bs, pos_stride, kh0 * D, heads * D, esize);
+        /* the next block while this one is computed; after the last, the first
+           of the thread's next work item (a block's lines are not in the caches:
+           8 layers' caches taking turns, 64 requests x 144 tokens, bf16 0.86 ->
+           0.45 ms a layer on an AMD EPYC with a whole block asked for ahead) */
+        Prefetch pf;
+        if (p0 + bs < pos_hi)
+            prefetch_start(&pf, key, value, bt[p0 / bs + 1], bs, pos_stride, kh0 * D, heads * D, esize);
+        else
+            prefetch_start(&pf, key, value, next[0], bs, pos_stride, next[1], heads * D, esize);
+        prefetch_some(&pf, KILN_PREFETCH_AHEAD);
 #if KILN_BLOCKED
         if (blocked) {
-            block_scores(qs, kb, pos_stride, heads, group, D, lo, hi, s, esize, bf16);
+            block_scores(qs, kb, pos_stride, heads, group, D, lo, hi, s, esize, &pf, bf16);
         } else
 #endif
         {
-            for (int64_t j = lo; j < hi; ++j)
+            for (int64_t j = lo; j < hi; ++j, prefetch_some(&pf, 1))
                 for (int64_t h = 0; h < nq; ++h)
                     s[h][j] = dot(qs + h * D, kb + (j * pos_stride + (h / group) * D) * esize, D, bf16);
         }
@@ -434,11 +470,11 @@ static inline __attribute__((always_inline)) void attend(
 #if KILN_BLOCKED
         if (blocked) {
             block_weighted((const float (*)[KILN_MAX_BLOCK])s, vb, pos_stride, heads, group, D, lo, hi, acc, esize,
-                           bf16);
+                           &pf, bf16);
         } else
 #endif
         {
-            for (int64_t j = lo; j < hi; ++j)
+            for (int64_t j = lo; j < hi; ++j, prefetch_some(&pf, 1))
                 for (int64_t h = 0; h < nq; ++h) {
                     const void *v = vb + (j * pos_stride + (h / group) * D) * esize;
                     const float p = s[h][j];
@@ -446,6 +482,7 @@ static inline __attribute__((always_inline)) void attend(
                     for (int64_t d = 0; d < D; ++d) ah[d] += p * elem(v, d, bf16);
                 }
         }
+        prefetch_some(&pf, pf.rows * ((pf.span + 63) / 64));  /* what the rows left unasked (a short block) */
     }
 }
 
@@ -470,6 +507,33 @@ static inline void store_heads(const float *acc, const float *l, int64_t nq, int
 /* The positions a request attends to: the last ``window`` (all when 0). */
 static inline int64_t first_position(int64_t len, int64_t window) {
     return (window > 0 && len > window) ? len - window : 0;
+}
+
+/* The run of a request's blocks that work item (b, c, p) takes: its positions
+ * [*lo, *hi) (empty: *lo >= *hi). */
+static inline void item_run(const int32_t *seq_lens, int64_t window, int64_t bs, int64_t parts, int64_t b, int64_t p,
+                            int64_t *lo, int64_t *hi) {
+    const int64_t len = seq_lens[b], start = first_position(len, window);
+    const int64_t first = start / bs, blocks = len > start ? (len - 1) / bs - first + 1 : 0;
+    const int64_t b0 = first + blocks * p / parts, b1 = first + blocks * (p + 1) / parts;
+    *lo = b0 * bs > start ? b0 * bs : start;
+    *hi = b1 * bs < len ? b1 * bs : len;
+}
+
+/* Work item ``item``'s first block and the offset of its first KV head in a
+ * cache row (next[0] = -1: no such item, or one with nothing to attend). */
+static inline void item_first_block(const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
+                                    int64_t window, int64_t bs, int64_t chunks, int64_t parts, int64_t heads,
+                                    int64_t D, int64_t items, int64_t item, int64_t next[2]) {
+    next[0] = -1;
+    next[1] = 0;
+    if (item >= items) return;
+    const int64_t b = item / (chunks * parts), c = item / parts % chunks, p = item % parts;
+    int64_t lo, hi;
+    item_run(seq_lens, window, bs, parts, b, p, &lo, &hi);
+    if (lo >= hi) return;
+    next[0] = block_table[b * bt_stride + lo / bs];
+    next[1] = c * heads * D;
 }
 
 /* Returns 0, or -1 when the shapes exceed the limits above (nothing written).
@@ -501,17 +565,17 @@ static inline __attribute__((always_inline)) int paged_decode(
         for (int64_t b = 0; b < B; ++b) {
             for (int64_t c = 0; c < chunks; ++c) {
                 for (int64_t p = 0; p < parts; ++p) {
-                    const int64_t len = seq_lens[b], start = first_position(len, window);
                     const int64_t kh0 = c * heads_per_item;
-                    /* this part's run of the request's blocks, as positions */
-                    const int64_t first = start / bs, blocks = len > start ? (len - 1) / bs - first + 1 : 0;
-                    const int64_t b0 = first + blocks * p / parts, b1 = first + blocks * (p + 1) / parts;
-                    const int64_t lo = b0 * bs > start ? b0 * bs : start, hi = b1 * bs < len ? b1 * bs : len;
+                    int64_t lo, hi, next[2];  /* this part's run of the request's blocks, as positions */
+                    item_run(seq_lens, window, bs, parts, b, p, &lo, &hi);
+                    /* the item after it: this thread's next, but at the end of its share (schedule(static)) */
+                    item_first_block(block_table, bt_stride, seq_lens, window, bs, chunks, parts, heads_per_item, D,
+                                     B * chunks * parts, (b * chunks + c) * parts + p + 1, next);
                     float qs[KILN_MAX_HEADS * KILN_MAX_DIM], acc[KILN_MAX_HEADS * KILN_MAX_DIM];
                     float m[KILN_MAX_HEADS], l[KILN_MAX_HEADS];
                     load_query(query, rows[b] * q_stride + kh0 * group * D, nq * D, scale, qs, bf16);
                     attend(qs, key, value, block_table + b * bt_stride, lo, hi, kh0, heads_per_item, group, D, bs,
-                           pos_stride, acc, m, l, bf16);
+                           pos_stride, acc, m, l, next, bf16);
                     if (parts == 1) {
                         store_heads(acc, l, nq, D, out, rows[b] * out_stride + kh0 * group * D, bf16);
                     } else {
