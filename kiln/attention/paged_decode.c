@@ -111,6 +111,7 @@ typedef struct {
     const char *k, *v;   /* the block's row 0 at the work item's first KV head */
     int64_t row, span;   /* bytes from a row to the next; bytes a row to fetch */
     int64_t rows, r, o;  /* rows to fetch (0: nothing), the next line's row and offset */
+    int64_t per;         /* lines a row step asks for (prefetch_row) */
 } Prefetch;
 
 static inline void prefetch_start(Prefetch *pf, const void *key, const void *value, int64_t blk, int64_t bs,
@@ -131,6 +132,17 @@ static inline __attribute__((always_inline)) void prefetch_some(Prefetch *pf, in
         pf->o += 64;
         if (pf->o >= pf->span) { pf->o = 0; pf->r++; }
     }
+}
+
+/* What one step of a loop over the rows of the block being computed asks for:
+ * the lines left after KILN_PREFETCH_AHEAD, shared evenly over the steps the
+ * block's loops take (block_steps), so that the last are asked for near its
+ * end, not in a burst at its start. */
+static inline __attribute__((always_inline)) void prefetch_row(Prefetch *pf) { prefetch_some(pf, pf->per); }
+
+static inline void prefetch_spread(Prefetch *pf, int64_t steps) {
+    const int64_t left = pf->rows * ((pf->span + 63) / 64) - KILN_PREFETCH_AHEAD;
+    pf->per = left <= 0 || steps <= 0 ? 0 : (left + steps - 1) / steps;
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -206,7 +218,7 @@ static inline __attribute__((always_inline)) void group_scores(
         for (int64_t r = 0; r < 16; ++r) {
             __m512 a[8], b[8];
             for (int g = 0; g < NH; ++g) a[g] = b[g] = _mm512_setzero_ps();
-            if (r < nr) prefetch_some(pf, 1);
+            if (r < nr) prefetch_row(pf);
             if (r < nr)
                 for (int64_t d = 0; d < D; d += 32) {
                     const int64_t at = (j0 + r) * stride + d;
@@ -233,7 +245,7 @@ static inline __attribute__((always_inline)) void group_weighted(
         for (int g = 0; g < NH; ++g)
             for (int i = 0; i < 4; ++i) av[g][i] = _mm512_loadu_ps(acc + g * D + d0 + 16 * i);
         for (int64_t j = lo; j < hi; ++j) {
-            prefetch_some(pf, 1);
+            prefetch_row(pf);
             __m512 vv[4];
             for (int i = 0; i < 4; ++i) vv[i] = load16(v, j * stride + d0 + 16 * i, bf16);
             for (int g = 0; g < NH; ++g) {
@@ -311,6 +323,10 @@ static inline __attribute__((always_inline)) void block_weighted(
         }
 }
 #define KILN_BLOCKED 1
+/* The row steps (prefetch_row) of block_scores and block_weighted over `rows` rows. */
+static inline int64_t block_steps(int64_t nkv, int64_t group, int64_t D, int64_t rows) {
+    return nkv * ((group + 7) / 8) * rows + nkv * ((group + 5) / 6) * (D / 64) * rows;
+}
 
 #elif defined(__AVX2__) && defined(__FMA__)
 
@@ -321,7 +337,7 @@ static inline __attribute__((always_inline)) void scores64(const float *q, const
     __m256 qv[8];
     for (int i = 0; i < 8; ++i) qv[i] = _mm256_loadu_ps(q + 8 * i);
     for (int64_t j = lo; j < hi; ++j) {
-        prefetch_some(pf, 1);
+        prefetch_row(pf);
         const int64_t r = j * stride;
         __m256 a = _mm256_mul_ps(qv[0], load8(k, r, bf16)), b = _mm256_mul_ps(qv[1], load8(k, r + 8, bf16));
         for (int i = 2; i < 8; i += 2) {  /* two chains: the FMA latency is not the limit */
@@ -338,7 +354,7 @@ static inline __attribute__((always_inline)) void weighted64(const float *p, con
     __m256 av[8];
     for (int i = 0; i < 8; ++i) av[i] = _mm256_loadu_ps(acc + 8 * i);
     for (int64_t j = lo; j < hi; ++j) {
-        prefetch_some(pf, 1);
+        prefetch_row(pf);
         const __m256 w = _mm256_set1_ps(p[j]);
         for (int i = 0; i < 8; ++i) av[i] = _mm256_fmadd_ps(w, load8(v, j * stride + 8 * i, bf16), av[i]);
     }
@@ -367,6 +383,10 @@ static inline __attribute__((always_inline)) void block_weighted(
                        pf, bf16);
 }
 #define KILN_BLOCKED 1
+/* The row steps (prefetch_row) of block_scores and block_weighted over `rows` rows. */
+static inline int64_t block_steps(int64_t nkv, int64_t group, int64_t D, int64_t rows) {
+    return 2 * nkv * group * (D / 64) * rows;
+}
 #else
 #define KILN_BLOCKED 0
 #endif
@@ -447,12 +467,17 @@ static inline __attribute__((always_inline)) void attend(
             prefetch_start(&pf, key, value, next[0], bs, pos_stride, next[1], heads * D, esize);
         prefetch_some(&pf, KILN_PREFETCH_AHEAD);
 #if KILN_BLOCKED
+        prefetch_spread(&pf, blocked ? block_steps(heads, group, D, hi - lo) : 2 * (hi - lo));
+#else
+        prefetch_spread(&pf, 2 * (hi - lo));
+#endif
+#if KILN_BLOCKED
         if (blocked) {
             block_scores(qs, kb, pos_stride, heads, group, D, lo, hi, s, esize, &pf, bf16);
         } else
 #endif
         {
-            for (int64_t j = lo; j < hi; ++j, prefetch_some(&pf, 1))
+            for (int64_t j = lo; j < hi; ++j, prefetch_row(&pf))
                 for (int64_t h = 0; h < nq; ++h)
                     s[h][j] = dot(qs + h * D, kb + (j * pos_stride + (h / group) * D) * esize, D, bf16);
         }
@@ -474,7 +499,7 @@ static inline __attribute__((always_inline)) void attend(
         } else
 #endif
         {
-            for (int64_t j = lo; j < hi; ++j, prefetch_some(&pf, 1))
+            for (int64_t j = lo; j < hi; ++j, prefetch_row(&pf))
                 for (int64_t h = 0; h < nq; ++h) {
                     const void *v = vb + (j * pos_stride + (h / group) * D) * esize;
                     const float p = s[h][j];
