@@ -97,7 +97,7 @@ static inline float exp_nonpos(float x) {
 }
 
 /* The next block's keys and values, asked for a cache line of each at a time
- * between the rows of the block being computed (prefetch_some), its rows
+ * between the rows of the block being computed (prefetch_row), its rows
  * lying anywhere in the cache, where the hardware's prefetchers do not
  * follow. Asked for all at once before a block (one prefetch a line: 192 for
  * a block of the 135M shape), the prefetches stalled the core once its few
@@ -105,8 +105,12 @@ static inline float exp_nonpos(float x) {
  * turns; spread over the rows they overlap. A 64-request bf16 step of the 135M
  * shape (96-216 tokens, 2 threads of an Intel Xeon, scratch A/B taking
  * turns): attention 16.5-17.4 -> 13.2-13.9 ms, the step 42.4-44.5 -> 38.9-41.0
- * ms; asking for a line every second row, or two lines a row with none ahead
- * of the first row, did worse (14.6-15.0 ms the latter). */
+ * ms. Asking for every second line (the adjacent-line prefetcher to bring the
+ * other) made the step 41.1-42.3 -> 49.6-52.2 ms; two lines a row with none
+ * ahead of the first row, 14.6-15.0 ms of attention. The 64 requests of
+ * python -m bench.decode --throughput 64 --dtype bfloat16: 1189-1205 ->
+ * 1231-1265 tok/s (bench/results/decode-throughput-cpu-20261206-020857.json
+ * and the three runs after it, taking turns). */
 typedef struct {
     const char *k, *v;   /* the block's row 0 at the work item's first KV head */
     int64_t row, span;   /* bytes from a row to the next; bytes a row to fetch */
