@@ -120,12 +120,13 @@ typedef struct {
 
 static inline void prefetch_start(Prefetch *pf, const void *key, const void *value, int64_t blk, int64_t bs,
                                   int64_t pos_stride, int64_t offset, int64_t span, size_t esize) {
-    pf->rows = blk >= 0 ? bs : 0;
+    pf->rows = blk >= 0 ? bs : 0;  /* blk -1: no block to ask for */
     pf->r = pf->o = 0;
     pf->row = pos_stride * (int64_t)esize;
     pf->span = span * (int64_t)esize;
-    pf->k = (const char *)key + (blk * bs * pos_stride + offset) * (int64_t)esize;
-    pf->v = (const char *)value + (blk * bs * pos_stride + offset) * (int64_t)esize;
+    const int64_t at = blk >= 0 ? (blk * bs * pos_stride + offset) * (int64_t)esize : 0;
+    pf->k = (const char *)key + at;
+    pf->v = (const char *)value + at;
 }
 
 /* The next n lines of the block's keys and of its values. */
