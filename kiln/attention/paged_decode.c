@@ -145,8 +145,10 @@ static inline __attribute__((always_inline)) void prefetch_some(Prefetch *pf, in
  * end, not in a burst at its start. */
 static inline __attribute__((always_inline)) void prefetch_row(Prefetch *pf) { prefetch_some(pf, pf->per); }
 
+static inline int64_t prefetch_lines(const Prefetch *pf) { return pf->rows * ((pf->span + 63) / 64); }
+
 static inline void prefetch_spread(Prefetch *pf, int64_t steps) {
-    const int64_t left = pf->rows * ((pf->span + 63) / 64) - KILN_PREFETCH_AHEAD;
+    const int64_t left = prefetch_lines(pf) - KILN_PREFETCH_AHEAD;
     pf->per = left <= 0 || steps <= 0 ? 0 : (left + steps - 1) / steps;
 }
 
@@ -471,11 +473,11 @@ static inline __attribute__((always_inline)) void attend(
         else
             prefetch_start(&pf, key, value, next[0], bs, pos_stride, next[1], heads * D, esize);
         prefetch_some(&pf, KILN_PREFETCH_AHEAD);
+        int64_t steps = 2 * (hi - lo);  /* the plain loops' */
 #if KILN_BLOCKED
-        prefetch_spread(&pf, blocked ? block_steps(heads, group, D, hi - lo) : 2 * (hi - lo));
-#else
-        prefetch_spread(&pf, 2 * (hi - lo));
+        if (blocked) steps = block_steps(heads, group, D, hi - lo);
 #endif
+        prefetch_spread(&pf, steps);
 #if KILN_BLOCKED
         if (blocked) {
             block_scores(qs, kb, pos_stride, heads, group, D, lo, hi, s, esize, &pf, bf16);
@@ -512,7 +514,7 @@ static inline __attribute__((always_inline)) void attend(
                     for (int64_t d = 0; d < D; ++d) ah[d] += p * elem(v, d, bf16);
                 }
         }
-        prefetch_some(&pf, pf.rows * ((pf.span + 63) / 64));  /* what the rows left unasked (a short block) */
+        prefetch_some(&pf, prefetch_lines(&pf));  /* what the rows left unasked */
     }
 }
 
