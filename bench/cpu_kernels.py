@@ -9,6 +9,7 @@ Run from the repository root::
     python -m bench.cpu_kernels --only cpu-linear
     python -m bench.cpu_kernels --only many-rows
     python -m bench.cpu_kernels --only step-linears
+    python -m bench.cpu_kernels --only silu-mul
     python -m bench.cpu_kernels --smoke            # a check of this script: few calls, one small case
 
 * ``op-overhead``: the cost per call of reaching kiln's attention op through the
@@ -67,6 +68,13 @@ Run from the repository root::
   per decode row), and so the most output tokens/s any engine using these
   products could reach on this machine: what bounds that benchmark's ratio
   to transformers, whose time it does not bound.
+* ``silu-mul``: the gated MLP's activation ``silu(gate) * up`` on the 135M
+  shape's merged gate/up output ([rows, 2 x 1536]) at 1, 8, 64 and 512 rows,
+  fp32 and bf16: Inductor's compiled function (its kernel and its Python
+  wrapper, which exported code does without: compare the larger row counts)
+  against kiln's C loop (``CpuLinearKernel.silu_mul``, what ``kiln::silu_mul``
+  calls: ``kiln.compiler.activation``), each checked against the exact
+  activation (max relative error in the JSON).
 * ``huge-pages``: the parameters of SmolLM2-135M (fp32, 540 MB) placed by
   ``kiln.models.memory.materialize`` in 4 KiB pages and in transparent huge
   pages, each in a fresh process: seconds to place and fill them (one copy, as
@@ -108,8 +116,8 @@ from bench.common.harness import time_per_call
 from bench.common.models import SMOLLM2_135M_SHAPE
 from bench.common.report import RESULTS_DIR, RunRecord, fmt, format_table, publish
 
-BENCHMARKS = ("op-overhead", "gemv", "quant-kernels", "cpu-linear", "many-rows", "step-linears", "huge-pages",
-              "decode-attention")
+BENCHMARKS = ("op-overhead", "gemv", "quant-kernels", "cpu-linear", "many-rows", "step-linears", "silu-mul",
+              "huge-pages", "decode-attention")
 SMOLLM2 = SMOLLM2_135M_SHAPE  # the decode shapes measured are this model's
 HEAD_DIM = SMOLLM2["hidden_size"] // SMOLLM2["num_attention_heads"]
 # name -> [out_features, in_features] of SmolLM2-135M's linear layers
@@ -895,6 +903,71 @@ def render_step_linears(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------ silu-mul
+SILU_ROWS = (1, 8, 64, 512)
+
+
+def _silu_mul_exact(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.double().chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_mul_report(args: argparse.Namespace) -> dict[str, Any]:
+    import tempfile
+
+    from kiln.compiler import cpu_linear
+
+    record = RunRecord("silu-mul", "cpu")
+    inter = SMOLLM2["intermediate_size"]
+
+    def inductor_form(x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    results = []
+    rows_list = SILU_ROWS[2:3] if args.smoke else SILU_ROWS
+    batch_seconds = 0.02 if args.smoke else 0.2
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-kernel-") as tmp:
+        kernel = cpu_linear.CpuLinearKernel(Path(tmp) / cpu_linear.SOURCE.build(Path(tmp)))
+        for dtype, rows in itertools.product((torch.float32, torch.bfloat16), rows_list):
+            x = (torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(rows)) * 4).to(dtype)
+            exact = _silu_mul_exact(x)
+            compiled = torch.compile(inductor_form, dynamic=False, fullgraph=True)
+            forms = {"inductor": lambda: compiled(x), "kernel": lambda: kernel.silu_mul(x)}
+            row: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "rows": rows}
+            with torch.inference_mode():
+                for form, fn in forms.items():
+                    t = _in_us(time_per_call(fn, repeats=args.repeats, min_batch_seconds=batch_seconds))
+                    got = fn().double()
+                    t["max_rel_error"] = float(((got - exact).abs() / exact.abs().clamp_min(1e-6)).max())
+                    row[form] = t
+            row["kernel_speedup"] = row["inductor"]["median_us"] / row["kernel"]["median_us"]
+            results.append(row)
+    return {
+        **record.head(),
+        "settings": {
+            "smoke": args.smoke, "threads": torch.get_num_threads(), "shape": [2 * inter],
+            "kernel": "kiln/compiler/cpu_linear.c kiln_silu_mul through CpuLinearKernel.silu_mul",
+            "inductor": "torch.compile(dynamic=False, fullgraph=True) of chunk + silu * up, its wrapper included",
+            "statistic": "median over batches of the per-call time; kernel_speedup = Inductor's median / the "
+                         "kernel's; max_rel_error against the activation in fp64 (denominator at least 1e-6)",
+        },
+        "results": results,
+    }
+
+
+def render_silu_mul(report: dict[str, Any]) -> str:
+    rows = [[r["dtype"], str(r["rows"]), fmt(r["inductor"]["median_us"], 1), fmt(r["kernel"]["median_us"], 1),
+             fmt(r["kernel_speedup"], 2, "x"), f"{r['inductor']['max_rel_error']:.1e}",
+             f"{r['kernel']['max_rel_error']:.1e}"] for r in report["results"]]
+    return "\n".join([
+        f"silu(gate) * up on [rows, {report['settings']['shape'][0]}], CPU, {report['settings']['threads']} threads: "
+        "Inductor's compiled function against kiln's C loop", "",
+        format_table(["dtype", "rows", "inductor us", "kernel us", "kernel speedup", "inductor max rel err",
+                      "kernel max rel err"], rows),
+    ])
+
+
 # ---------------------------------------------------------------------------- main
 
 
@@ -945,6 +1018,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "step-linears" in args.only:
         report = step_linears_report(args)
         publish(report, "step-linears", render_step_linears(report), args.out)
+    if "silu-mul" in args.only:
+        report = silu_mul_report(args)
+        publish(report, "silu-mul", render_silu_mul(report), args.out)
     if "huge-pages" in args.only:
         report = huge_pages_report(args)
         publish(report, "huge-pages", render_huge_pages(report), args.out)

@@ -56,7 +56,7 @@ def test_every_cpu_artifact_is_exported_and_a_warm_start_replays_them(compiled_t
     warm = Runtime.load(path, optimization_level=2, cache_dir=cache)
     manifest = json.loads((_entry(warm) / "manifest.json").read_text())
     assert replay.covers(manifest) and set(manifest["replay"]) == set(replay.artifacts(manifest))
-    direct = onednn_calls = 0
+    direct = onednn_calls = activations = 0
     for record in manifest["replay"].values():
         assert record["libraries"] and set(record["libraries"]) <= set(manifest["kernels"])
         assert record["code"] in manifest["files"]  # checksummed like the rest of the entry
@@ -67,12 +67,16 @@ def test_every_cpu_artifact_is_exported_and_a_warm_start_replays_them(compiled_t
         # the C linear kernel's op is called without the dispatcher
         assert "torch.ops.kiln.cpu_linear.default(" not in code
         assert "torch.ops.kiln.onednn_linear.default(" not in code
+        assert "torch.ops.kiln.silu_mul.default(" not in code
         direct += code.count("__kiln_cpu_linear__(")
         onednn_calls += code.count("__kiln_onednn_linear__(")
+        activations += code.count("__kiln_silu_mul__(")
     # the few-row pieces (2 to 8 tokens) call it for their linears (fp32 at one token keeps Inductor's reduction)
     assert direct > 0 or manifest.get("linear_kernel") is None
     # the range pieces' fp32 linears go through oneDNN (kiln.compiler.onednn)
     assert onednn_calls > 0 or not torch.backends.mkldnn.is_available()
+    # the MLP's activation after those linears is one C loop too (kiln.compiler.activation)
+    assert activations > 0 or manifest.get("linear_kernel") is None
     assert warm.startup_report["artifact_loader"] == "replay"
     assert warm.startup_report["artifacts_loaded"] == len(manifest["replay"])
     assert _scored(warm, prompts) == fresh  # tokens and logprobs, to the bit

@@ -185,6 +185,17 @@ class CpuLinearKernel:
             self._amx_linear.restype = ctypes.c_int
             if self._amx_linear_ext is not None:  # ``amx_linear`` passes its arguments on in order
                 register_c_function(self._amx_linear_ext, self._amx_linear)
+        # kiln_silu_mul: the gated MLP's activation (kiln.compiler.activation);
+        # None in a library built before it was there
+        self._silu_mul: Any = None
+        self._silu_mul_ext: Any = None
+        if hasattr(library, "kiln_silu_mul"):
+            self._silu_mul = library.kiln_silu_mul
+            self._silu_mul.argtypes = [p, i64, i64, i64, p, i64, i32, i32]
+            self._silu_mul.restype = ctypes.c_int
+            if hasattr(library, "PyInit_kiln_linear"):  # ``silu_mul`` passes its arguments on in order
+                self._silu_mul_ext = import_extension(path, "kiln_linear").silu_mul
+                register_c_function(self._silu_mul_ext, self._silu_mul)
         # kiln_replay: a CPU call graph's calls made from C (kiln.graphs.cpu);
         # None in a library built before it was there
         self.replay_loop: Any = None
@@ -201,7 +212,7 @@ class CpuLinearKernel:
         (the first of equal ones, the first NaN), for a CPU fp32 or bf16
         ``[rows, n]`` tensor with contiguous rows; None for anything else, or
         a library without the extension module."""
-        if (self._argmax is None or t.dim() != 2 or t.dtype not in _ARGMAX_DTYPES or not t.is_cpu
+        if (self._argmax is None or t.dim() != 2 or t.dtype not in _FLOAT_DTYPES or not t.is_cpu
                 or t.stride(1) != 1):
             return None
         return self._argmax(t, t.dtype == torch.bfloat16, t.shape[0], t.shape[1], t.stride(0),
@@ -249,12 +260,40 @@ class CpuLinearKernel:
             raise RuntimeError(f"{self.path.name} refused an AMX linear of {(m, k)} by [{n}, {k}] (rc {rc})")
         return out.view(*x.shape[:-1], n)
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` for ``x [..., 2 I]`` holding gate, then up, in
+        its last dimension (a merged gate/up product), in ``x``'s dtype
+        (``kiln_silu_mul``); None for a dtype other than fp32 and bf16, or a
+        library built before the loop was there."""
+        if self._silu_mul is None or x.dtype not in _FLOAT_DTYPES or not x.is_cpu:
+            return None
+        width = x.shape[-1]
+        if width % 2:
+            raise ValueError(f"silu_mul takes gate and up halves of an even last dimension, got {tuple(x.shape)}")
+        inter = width // 2
+        rows = x.reshape(-1, width)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        m = rows.shape[0]
+        out = _empty((m, inter), (inter, 1), x.dtype)
+        bf16, threads = x.dtype == torch.bfloat16, torch.get_num_threads()
+        if m == 0 or inter == 0:
+            return out.view(*x.shape[:-1], inter)
+        if self._silu_mul_ext is not None:
+            rc = self._silu_mul_ext(rows, rows.stride(0), m, inter, out, inter, bf16, threads)
+        else:
+            rc = self._silu_mul(rows.data_ptr(), rows.stride(0), m, inter, out.data_ptr(), inter, bf16, threads)
+        if rc != 0:
+            raise RuntimeError(f"{self.path.name} refused silu_mul of {tuple(rows.shape)} (rc {rc})")
+        return out.view(*x.shape[:-1], inter)
+
     def native_sites(self) -> list[tuple[object, str]]:
-        """Where ``__call__`` and ``amx_linear`` find their native functions
-        (``kiln.graphs.cpu``). A call made elsewhere would be left out of a
-        replay without a word: an AMX linear does no torch work a capture
+        """Where ``__call__``, ``amx_linear`` and ``silu_mul`` find their
+        native functions (``kiln.graphs.cpu``). A call made elsewhere would be
+        left out of a replay without a word: these do no torch work a capture
         could refuse."""
-        return [(self, "_linear"), (self, "_fn"), (self, "_amx_linear_ext"), (self, "_amx_linear")]
+        return [(self, "_linear"), (self, "_fn"), (self, "_amx_linear_ext"), (self, "_amx_linear"),
+                (self, "_silu_mul_ext"), (self, "_silu_mul")]
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None,
                  offsets: torch.Tensor | None, bias: torch.Tensor | None, kind: str) -> torch.Tensor:
@@ -305,7 +344,7 @@ class CpuLinearKernel:
         return out.view(*x.shape[:-1], n)
 
 
-_ARGMAX_DTYPES = (torch.float32, torch.bfloat16)
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -20,6 +20,7 @@ from torch import fx, nn
 
 from kiln.attention.cpu_decode import PagedDecodeKernel
 from kiln.compiler import cpu_linear, onednn
+from kiln.compiler.activation import rewrite_silu_mul
 from kiln.compiler.capture import CapturedGraph, GraphInput, capture
 from kiln.compiler.cpu_linear import DENSE_KINDS, CpuLinearKernel, LinearPolicy, dense_kind
 from kiln.compiler.gemv import (
@@ -277,14 +278,14 @@ def _piece_jobs(
     jobs: list[tuple[CompileJob, Install]] = []
     for sig, (piece, runnables) in unique.items():
         label = f"piece {index_of[sig]} [range 1-{max_num_tokens}]"
-        jobs.append((CompileJob(label, _many_rows(lower_quantized(piece.graph_module, device), device),
-                                _traced_inputs(piece.graph_module), dynamic=True),
+        gm = _activations(_many_rows(lower_quantized(piece.graph_module, device), device), policy)
+        jobs.append((CompileJob(label, gm, _traced_inputs(piece.graph_module), dynamic=True),
                      functools.partial(setattr, runnables, "range")))
     span = _few_rows(unique, sizes, device, policy)
     if span is not None:
         sizes = [n for n in sizes if not span[0] <= n <= span[1]]
         for sig, (piece, runnables) in unique.items():
-            gm, _ = decompose_linears(piece.graph_module, span[0], policy)
+            gm = _activations(decompose_linears(piece.graph_module, span[0], policy)[0], policy)
             jobs.append((CompileJob(f"piece {index_of[sig]} [{span[0]}-{span[1]}]", gm,
                                     _traced_inputs(piece.graph_module), dynamic=True),
                          functools.partial(_install_few, runnables, span)))
@@ -296,6 +297,7 @@ def _piece_jobs(
                 gm, _ = decompose_linears(gm, n, policy)
             else:
                 gm = _many_rows(lower_quantized(gm, device), device)
+            gm = _activations(gm, policy)
             jobs.append((CompileJob(f"piece {index_of[sig]} [{n}]", gm, recorded[piece.name], dynamic=False),
                          functools.partial(runnables.exact.__setitem__, n)))
     return jobs
@@ -328,6 +330,13 @@ def _many_rows(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
     """``gm`` for a piece that runs more than a few tokens: its fp32 linears
     through oneDNN on CPU (``kiln.compiler.onednn``)."""
     return onednn.rewrite_linears(gm)[0] if onednn.available(device) else gm
+
+
+def _activations(gm: fx.GraphModule, policy: LinearPolicy | None) -> fx.GraphModule:
+    """``gm`` with the gated MLP's activation after an extern linear as
+    ``kiln::silu_mul`` (``kiln.compiler.activation``), where the C linear
+    kernel, which runs it, is there (``policy``)."""
+    return rewrite_silu_mul(gm)[0] if policy is not None else gm
 
 
 def _head_jobs(model: nn.Module, sizes: list[int], device: torch.device,

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kiln.compiler import cpu_linear, onednn
+from kiln.compiler import activation, cpu_linear, onednn
 from kiln.native import import_extension, register_c_function
 
 __all__ = ["NotReplayable", "ReplayedArtifact", "artifacts", "covers", "export", "load"]
@@ -62,7 +62,8 @@ _ALIGN_BYTES = 64
 # op's Python implementation is what the dispatcher would call, and the trip
 # through it costs about 14 us a call (120 calls a decode step of the 135M shape)
 _DIRECT_OPS = {"torch.ops.kiln.cpu_linear.default": ("__kiln_cpu_linear__", cpu_linear.implementation),
-               "torch.ops.kiln.onednn_linear.default": ("__kiln_onednn_linear__", onednn.implementation)}
+               "torch.ops.kiln.onednn_linear.default": ("__kiln_onednn_linear__", onednn.implementation),
+               "torch.ops.kiln.silu_mul.default": ("__kiln_silu_mul__", activation.implementation)}
 # Inductor's checks of each input's and extern kernel output's sizes and strides
 # (its ``size_asserts``), run on every call: about 450 calls and 0.2-0.3 ms of a
 # decode step of the 135M shape. A replayed artifact's inputs come from the

@@ -468,3 +468,62 @@ def test_amx_tiles_are_made_only_for_weights_the_kernel_takes(native_kernel) -> 
                     torch.randn(48, 64).half(),
                     torch.randn(64).bfloat16()):
         assert native_kernel.amx_tiles(refused) is None
+
+
+# ------------------------------------------------------------ SiLU times up
+def _silu_mul_exact(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.double().chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@pytest.mark.parametrize("rows, inter", [(1, 1536), (64, 1536), (3, 100), (5, 7), (2, 4864)])  # 100, 7: tails
+def test_silu_mul_is_the_exact_activation_rounded_once(kernel, rows: int, inter: int) -> None:
+    """fp32 within a few ulp of the exact silu(gate) * up; bf16 the exact
+    value rounded once, or a neighbour where it sits near a rounding tie."""
+    g = torch.Generator().manual_seed(rows * inter)
+    x = torch.randn(rows, 2 * inter, generator=g) * 6
+    exact = _silu_mul_exact(x)
+    got = kernel.silu_mul(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, inter)
+    torch.testing.assert_close(got.double(), exact, rtol=5e-7, atol=1e-30)
+    xb = x.bfloat16()
+    got_b = kernel.silu_mul(xb)
+    want_b = _silu_mul_exact(xb).bfloat16()
+    assert got_b.dtype == torch.bfloat16
+    torch.testing.assert_close(got_b.float(), want_b.float(), rtol=2 ** -7, atol=1e-30)  # one bf16 step
+    assert (got_b != want_b).float().mean() < 0.01
+
+
+def test_silu_mul_takes_strided_rows_more_dimensions_and_no_rows(kernel) -> None:
+    g = torch.Generator().manual_seed(4)
+    wide = torch.randn(6, 90, generator=g)
+    x = wide[:, 5:85]  # rows 90 apart, 80 wide: gate 40, up 40
+    full = kernel.silu_mul(x)
+    torch.testing.assert_close(full.double(), _silu_mul_exact(x), rtol=5e-7, atol=1e-30)
+    assert torch.equal(kernel.silu_mul(x.reshape(2, 3, 80)), full.view(2, 3, 40))
+    assert torch.equal(kernel.silu_mul(x.t().contiguous().t()), full)  # columns contiguous: copied to rows
+    assert kernel.silu_mul(torch.empty(0, 80)).shape == (0, 40)
+    assert kernel.silu_mul(torch.empty(4, 80).half()) is None  # a dtype the loop does not take
+    with pytest.raises(ValueError, match=r"even last dimension, got \(4, 81\)"):
+        kernel.silu_mul(torch.empty(4, 81))
+
+
+def test_silu_mul_keeps_nan_and_the_limits(kernel) -> None:
+    gate = torch.tensor([float("nan"), float("inf"), 100.0, -100.0, 0.0, -0.0, 1.0, 80.5])
+    x = torch.cat([gate, torch.full((8,), 2.0)]).view(1, 16)
+    got = kernel.silu_mul(x)[0]
+    assert got[0].isnan() and got[1] == float("inf") and got[2] == 200.0
+    assert -1e-30 < got[3] <= 0 and got[4] == 0 and got[5] == 0  # silu(-100) is 0 to any precision used here
+    torch.testing.assert_close(got[6:].double(), _silu_mul_exact(x)[0, 6:], rtol=5e-7, atol=0)
+
+
+def test_silu_mul_splits_its_rows_over_threads_without_changing_a_bit(kernel) -> None:
+    x = torch.randn(64, 2 * 1536, generator=torch.Generator().manual_seed(5)).bfloat16()
+    full = kernel.silu_mul(x)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(kernel.silu_mul(x), full)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(kernel.silu_mul(x[:1]), full[:1])  # below the threshold for threads: one thread, same bits
