@@ -84,12 +84,10 @@ def _is_chunk_half(node: Any, index: int) -> fx.Node | None:
     chunk = node.args[0]
     if not isinstance(chunk, fx.Node):
         return None
-    if chunk.op == "call_method" and chunk.target == "chunk":
-        args = list(chunk.args[1:]) + [chunk.kwargs[k] for k in ("chunks", "dim") if k in chunk.kwargs]
-    elif chunk.op == "call_function" and chunk.target is torch.chunk:
-        args = list(chunk.args[1:]) + [chunk.kwargs[k] for k in ("chunks", "dim") if k in chunk.kwargs]
-    else:
+    if not ((chunk.op == "call_method" and chunk.target == "chunk")
+            or (chunk.op == "call_function" and chunk.target is torch.chunk)):
         return None
+    args = list(chunk.args[1:]) + [chunk.kwargs[k] for k in ("chunks", "dim") if k in chunk.kwargs]
     t = _example(chunk.args[0])
     if len(args) != 2 or args[0] != 2 or t is None or args[1] not in (-1, t.dim() - 1):
         return None

@@ -250,12 +250,12 @@ class CpuLinearKernel:
             return out.view(*x.shape[:-1], n)
         if bias is not None and (bias.dtype != torch.bfloat16 or bias.stride(-1) != 1):
             bias = bias.to(torch.bfloat16).contiguous()
-        threads = torch.get_num_threads()
+        threads, stride = torch.get_num_threads(), _row_stride(rows)
         if self._amx_linear_ext is not None:
-            rc = self._amx_linear_ext(rows, rows.stride(0), m, k, tiles, n, bias, out, n, threads)
+            rc = self._amx_linear_ext(rows, stride, m, k, tiles, n, bias, out, n, threads)
         else:
-            rc = self._amx_linear(rows.data_ptr(), rows.stride(0), m, k, tiles.data_ptr(), n, _ptr(bias),
-                                  out.data_ptr(), n, threads)
+            rc = self._amx_linear(rows.data_ptr(), stride, m, k, tiles.data_ptr(), n, _ptr(bias), out.data_ptr(),
+                                  n, threads)
         if rc != 0:
             raise RuntimeError(f"{self.path.name} refused an AMX linear of {(m, k)} by [{n}, {k}] (rc {rc})")
         return out if rows is x else out.view(*x.shape[:-1], n)
@@ -277,10 +277,11 @@ class CpuLinearKernel:
         bf16, threads = x.dtype == torch.bfloat16, torch.get_num_threads()
         if m == 0 or inter == 0:
             return out.view(*x.shape[:-1], inter)
+        stride = _row_stride(rows)
         if self._silu_mul_ext is not None:
-            rc = self._silu_mul_ext(rows, rows.stride(0), m, inter, out, inter, bf16, threads)
+            rc = self._silu_mul_ext(rows, stride, m, inter, out, inter, bf16, threads)
         else:
-            rc = self._silu_mul(rows.data_ptr(), rows.stride(0), m, inter, out.data_ptr(), inter, bf16, threads)
+            rc = self._silu_mul(rows.data_ptr(), stride, m, inter, out.data_ptr(), inter, bf16, threads)
         if rc != 0:
             raise RuntimeError(f"{self.path.name} refused silu_mul of {tuple(rows.shape)} (rc {rc})")
         return out if rows is x else out.view(*x.shape[:-1], inter)
@@ -349,6 +350,12 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     """``x [..., K]`` as ``[rows, K]`` with each row contiguous (a view where it can be)."""
     rows = x.reshape(-1, x.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _row_stride(rows: torch.Tensor) -> int:
+    """The distance between ``rows``' rows, in elements; a single row's is its
+    width, whatever stride torch gave its dimension of size one."""
+    return rows.stride(0) if rows.shape[0] > 1 else rows.shape[1]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -453,8 +453,10 @@ def test_amx_gives_a_row_the_same_bits_in_any_batch_and_layout(native_kernel) ->
         assert torch.equal(native_kernel.amx_linear(x, tiles, 64, b), full)
     finally:
         torch.set_num_threads(threads)
-    # more dimensions in, none out of shape; no rows at all
+    # more dimensions in, none out of shape; one row whose dimension of size one has any stride; no rows at all
     assert torch.equal(native_kernel.amx_linear(x[:6].reshape(2, 3, 96), tiles, 64, b), full[:6].view(2, 3, 64))
+    one = x[:1].contiguous().as_strided((1, 96), (1, 1))
+    assert torch.equal(native_kernel.amx_linear(one, tiles, 64, b), full[:1])
     assert native_kernel.amx_linear(x[:0], tiles, 64, b).shape == (0, 64)
 
 
@@ -502,6 +504,8 @@ def test_silu_mul_takes_strided_rows_more_dimensions_and_no_rows(kernel) -> None
     torch.testing.assert_close(full.double(), _silu_mul_exact(x), rtol=5e-7, atol=1e-30)
     assert torch.equal(kernel.silu_mul(x.reshape(2, 3, 80)), full.view(2, 3, 40))
     assert torch.equal(kernel.silu_mul(x.t().contiguous().t()), full)  # columns contiguous: copied to rows
+    one = x[:1].contiguous().as_strided((1, 80), (1, 1))  # a dimension of size one may carry any stride
+    assert torch.equal(kernel.silu_mul(one), full[:1])
     assert kernel.silu_mul(torch.empty(0, 80)).shape == (0, 40)
     assert kernel.silu_mul(torch.empty(4, 80).half()) is None  # a dtype the loop does not take
     with pytest.raises(ValueError, match=r"even last dimension, got \(4, 81\)"):
