@@ -133,6 +133,12 @@ typedef __m512 vfloat;
 #define vzero _mm512_setzero_ps
 #define vload _mm512_loadu_ps
 #define vstore _mm512_storeu_ps
+#define vset1 _mm512_set1_ps
+#define vsub _mm512_sub_ps
+#define vmin _mm512_min_ps
+#define vmax _mm512_max_ps
+#define vfnmadd _mm512_fnmadd_ps
+#define vround(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define vfmadd _mm512_fmadd_ps
 #define vmul _mm512_mul_ps
 #define vadd _mm512_add_ps
@@ -147,6 +153,12 @@ typedef __m256 vfloat;
 #define vzero _mm256_setzero_ps
 #define vload _mm256_loadu_ps
 #define vstore _mm256_storeu_ps
+#define vset1 _mm256_set1_ps
+#define vsub _mm256_sub_ps
+#define vmin _mm256_min_ps
+#define vmax _mm256_max_ps
+#define vfnmadd _mm256_fnmadd_ps
+#define vround(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define vfmadd _mm256_fmadd_ps
 #define vmul _mm256_mul_ps
 #define vadd _mm256_add_ps
@@ -1058,14 +1070,10 @@ int kiln_amx_linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, c
  * 63-93 us for one 49152-wide row here and 460-500 us for four (fp32 and
  * bf16, 2 threads), two passes over the row in L2 a few. */
 #if KILN_AVX512
-#define vmax _mm512_max_ps
-#define vset1 _mm512_set1_ps
 static inline unsigned vmask_eq(vfloat a, vfloat b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
 static inline unsigned vmask_nan(vfloat a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
 static inline float vhmax(vfloat v) { return _mm512_reduce_max_ps(v); }
 #else
-#define vmax _mm256_max_ps
-#define vset1 _mm256_set1_ps
 static inline unsigned vmask_eq(vfloat a, vfloat b) { return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }
 static inline unsigned vmask_nan(vfloat a) { return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
 static inline float vhmax(vfloat v) {
@@ -1141,22 +1149,27 @@ int kiln_argmax(const void *x, int x_bf16, int64_t rows, int64_t n, int64_t stri
  * Both builds take these steps in vectors, of 16 or of 8. */
 #define KILN_SILU_CHUNK 512       /* elements of a row one task takes (a multiple of VW) */
 #define KILN_SILU_PARALLEL 8192   /* fewer elements than this run on one thread */
+/* p(f), exp(f) for |f| <= ln2 / 2 (Cephes' expf polynomial). */
+static inline vfloat exp_poly(vfloat f) {
+    vfloat p = vset1(1.9875691500e-4f);
+    p = vfmadd(p, f, vset1(1.3981999507e-3f));
+    p = vfmadd(p, f, vset1(8.3334519073e-3f));
+    p = vfmadd(p, f, vset1(4.1665795894e-2f));
+    p = vfmadd(p, f, vset1(1.6666665459e-1f));
+    p = vfmadd(p, f, vset1(5.0000001201e-1f));
+    return vfmadd(vmul(p, f), f, vadd(f, vset1(1.0f)));
+}
+/* -g held within [-80, 80] as n ln2 + f (n an integer, in *n); returns f. */
+static inline vfloat exp_split(vfloat g, vfloat *n) {
+    const vfloat x = vmin(vmax(vsub(vzero(), g), vset1(-80.0f)), vset1(80.0f));
+    *n = vround(vmul(x, vset1(1.44269504088896341f)));
+    return vfnmadd(*n, vset1(-2.12194440e-4f), vfnmadd(*n, vset1(0.693359375f), x));
+}
 #if KILN_AVX512
 static inline vfloat silu_times(vfloat g, vfloat u) {
-    const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(-80.0f)),
-                                   _mm512_set1_ps(80.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f),
-                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, f), f, _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
-    const __m512 d = _mm512_add_ps(_mm512_scalef_ps(p, n), _mm512_set1_ps(1.0f));
+    vfloat n;
+    const vfloat f = exp_split(g, &n);
+    const __m512 d = _mm512_add_ps(_mm512_scalef_ps(exp_poly(f), n), _mm512_set1_ps(1.0f));
     __m512 r = _mm512_rcp14_ps(d);
     r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
     return _mm512_mul_ps(_mm512_mul_ps(g, r), u);
@@ -1173,20 +1186,9 @@ static inline void store_bf16(uint16_t *p, vfloat v) {
 }
 #else
 static inline vfloat silu_times(vfloat g, vfloat u) {
-    const __m256 x = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(-80.0f)),
-                                   _mm256_set1_ps(80.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f),
-                                      _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, f), f, _mm256_add_ps(f, _mm256_set1_ps(1.0f)));
-    const __m256 e = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p),  /* p 2^n */
+    vfloat n;
+    const vfloat f = exp_split(g, &n);
+    const __m256 e = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(exp_poly(f)),  /* p(f) 2^n */
                                                           _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23)));
     return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(e, _mm256_set1_ps(1.0f))), u);
 }
@@ -1198,34 +1200,24 @@ static inline void store_bf16(uint16_t *p, vfloat v) {  /* round to nearest even
 }
 #endif
 
-/* Columns [c0, c1) of one row; a tail shorter than a vector goes through a
- * zero-padded copy, so that every value takes the vector steps. */
-static inline void silu_span(const void *x, int64_t inter, void *out, int bf16, int64_t c0, int64_t c1) {
-    int64_t c = c0;
-    if (bf16) {
-        const uint16_t *g = (const uint16_t *)x, *u = g + inter;
-        uint16_t *o = (uint16_t *)out;
-        for (; c + VW <= c1; c += VW) store_bf16(o + c, silu_times(load_bf16(g + c), load_bf16(u + c)));
-        if (c < c1) {
-            uint16_t gt[VW] = {0}, ut[VW] = {0}, ot[VW];
-            memcpy(gt, g + c, (size_t)(c1 - c) * 2);
-            memcpy(ut, u + c, (size_t)(c1 - c) * 2);
-            store_bf16(ot, silu_times(load_bf16(gt), load_bf16(ut)));
-            memcpy(o + c, ot, (size_t)(c1 - c) * 2);
-        }
-    } else {
-        const float *g = (const float *)x, *u = g + inter;
-        float *o = (float *)out;
-        for (; c + VW <= c1; c += VW) vstore(o + c, silu_times(vload(g + c), vload(u + c)));
-        if (c < c1) {
-            float gt[VW] = {0}, ut[VW] = {0}, ot[VW];
-            memcpy(gt, g + c, (size_t)(c1 - c) * 4);
-            memcpy(ut, u + c, (size_t)(c1 - c) * 4);
-            vstore(ot, silu_times(vload(gt), vload(ut)));
-            memcpy(o + c, ot, (size_t)(c1 - c) * 4);
-        }
-    }
+/* Columns [c0, c1) of one row, gate at g and up at u; a tail shorter than a
+ * vector goes through a zero-padded copy, so that every value takes the
+ * vector steps. */
+#define SILU_SPAN(NAME, T, LOADV, STOREV)                                                        \
+static void NAME(const T *g, const T *u, T *o, int64_t c0, int64_t c1) {                        \
+    int64_t c = c0;                                                                              \
+    for (; c + VW <= c1; c += VW) STOREV(o + c, silu_times(LOADV(g + c), LOADV(u + c)));         \
+    if (c < c1) {                                                                                \
+        T gt[VW] = {0}, ut[VW] = {0}, ot[VW];                                                    \
+        memcpy(gt, g + c, (size_t)(c1 - c) * sizeof(T));                                         \
+        memcpy(ut, u + c, (size_t)(c1 - c) * sizeof(T));                                         \
+        STOREV(ot, silu_times(LOADV(gt), LOADV(ut)));                                            \
+        memcpy(o + c, ot, (size_t)(c1 - c) * sizeof(T));                                         \
+    }                                                                                            \
 }
+
+SILU_SPAN(silu_span_f32, float, vload, vstore)
+SILU_SPAN(silu_span_bf16, uint16_t, load_bf16, store_bf16)
 
 /* out[r, i] = silu(x[r, i]) * x[r, inter + i] for ``rows`` rows of fp32, or
  * of bf16 where ``bf16`` (x and out alike); row r of x at x + r * x_stride,
@@ -1235,13 +1227,17 @@ int kiln_silu_mul(const void *x, int64_t x_stride, int64_t rows, int64_t inter, 
                   int bf16, int threads) {
     if (rows < 0 || inter < 1 || x_stride < 2 * inter || out_stride < inter) return -1;
     const int64_t per_row = (inter + KILN_SILU_CHUNK - 1) / KILN_SILU_CHUNK, tasks = rows * per_row;
-    const size_t size = bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(threads) if (rows * inter >= KILN_SILU_PARALLEL) schedule(static)
     for (int64_t t = 0; t < tasks; t++) {
         const int64_t r = t / per_row, c0 = t % per_row * KILN_SILU_CHUNK;
         const int64_t c1 = c0 + KILN_SILU_CHUNK < inter ? c0 + KILN_SILU_CHUNK : inter;
-        silu_span((const char *)x + (size_t)(r * x_stride) * size, inter, (char *)out + (size_t)(r * out_stride) * size,
-                  bf16, c0, c1);
+        if (bf16) {
+            const uint16_t *g = (const uint16_t *)x + r * x_stride;
+            silu_span_bf16(g, g + inter, (uint16_t *)out + r * out_stride, c0, c1);
+        } else {
+            const float *g = (const float *)x + r * x_stride;
+            silu_span_f32(g, g + inter, (float *)out + r * out_stride, c0, c1);
+        }
     }
     return 0;
 }
