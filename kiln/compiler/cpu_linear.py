@@ -154,58 +154,32 @@ class CpuLinearKernel:
         # the "-a8" kinds: products of the packed integers and the int8-rounded
         # activations summed as integers (AVX512-VNNI), else of the same values in fp32
         self.vnni: bool = bool(library.kiln_linear_vnni())
-        fn = library.kiln_linear
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        fn.argtypes = [i32, p, i32, i64, i64, p, p, p, i64, i64, p, p, i32, i64, i32]
-        fn.restype = ctypes.c_int
-        self._fn = fn
+        self._fn: Any = _declared(library, "kiln_linear",
+                                  [i32, p, i32, i64, i64, p, p, p, i64, i64, p, p, i32, i64, i32])
         # Built with Python's headers, the library is also an extension module whose
-        # ``linear`` takes the tensors themselves (-DKILN_PYTHON in cpu_linear.c).
-        self._linear: Any = None
-        self._argmax: Any = None
-        self._amx_linear_ext: Any = None
-        if hasattr(library, "PyInit_kiln_linear"):
-            module = import_extension(path, "kiln_linear")
-            self._linear = module.linear
-            self._argmax = getattr(module, "argmax", None)
-            self._amx_linear_ext = getattr(module, "amx_linear", None)
-            register_c_function(self._linear, fn)  # ``linear`` passes its arguments on to kiln_linear in order
+        # functions take the tensors themselves (-DKILN_PYTHON in cpu_linear.c).
+        module = import_extension(path, "kiln_linear") if hasattr(library, "PyInit_kiln_linear") else None
+        self._linear: Any = getattr(module, "linear", None)
+        self._argmax: Any = getattr(module, "argmax", None)
+        self._amx_linear_ext: Any = getattr(module, "amx_linear", None)
+        self._silu_mul_ext: Any = getattr(module, "silu_mul", None)
         # kiln_amx_linear: bf16 linears of any number of rows on AMX tiles, where
         # the library was built for a CPU with them and Linux grants them to
         # this process (False in a library built before it was there)
         self.amx: bool = hasattr(library, "kiln_amx") and library.kiln_amx() == 1
-        self._amx_pack: Any = None
-        self._amx_linear: Any = None
-        if self.amx:
-            self._amx_pack = library.kiln_amx_pack
-            self._amx_pack.argtypes = [p, i64, i64, p, i32]
-            self._amx_pack.restype = ctypes.c_int
-            self._amx_linear = library.kiln_amx_linear
-            self._amx_linear.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i32]
-            self._amx_linear.restype = ctypes.c_int
-            if self._amx_linear_ext is not None:  # ``amx_linear`` passes its arguments on in order
-                register_c_function(self._amx_linear_ext, self._amx_linear)
-        # kiln_silu_mul: the gated MLP's activation (kiln.compiler.activation);
-        # None in a library built before it was there
-        self._silu_mul: Any = None
-        self._silu_mul_ext: Any = None
-        if hasattr(library, "kiln_silu_mul"):
-            self._silu_mul = library.kiln_silu_mul
-            self._silu_mul.argtypes = [p, i64, i64, i64, p, i64, i32, i32]
-            self._silu_mul.restype = ctypes.c_int
-            if hasattr(library, "PyInit_kiln_linear"):  # ``silu_mul`` passes its arguments on in order
-                self._silu_mul_ext = import_extension(path, "kiln_linear").silu_mul
-                register_c_function(self._silu_mul_ext, self._silu_mul)
-        # kiln_replay: a CPU call graph's calls made from C (kiln.graphs.cpu);
-        # None in a library built before it was there
-        self.replay_loop: Any = None
-        self.replay_args = 0  # the most integer arguments a replayed call may have
-        if hasattr(library, "kiln_replay"):
-            loop = library.kiln_replay
-            loop.argtypes = [p, i64, ctypes.POINTER(i64)]
-            loop.restype = i64
-            self.replay_loop = loop
-            self.replay_args = library.kiln_replay_args()
+        self._amx_pack: Any = _declared(library, "kiln_amx_pack", [p, i64, i64, p, i32]) if self.amx else None
+        self._amx_linear: Any = (_declared(library, "kiln_amx_linear", [p, i64, i64, i64, p, i64, p, p, i64, i32])
+                                 if self.amx else None)
+        # kiln_silu_mul: the gated MLP's activation (kiln.compiler.activation)
+        self._silu_mul: Any = _declared(library, "kiln_silu_mul", [p, i64, i64, i64, p, i64, i32, i32])
+        for ext, c in ((self._linear, self._fn), (self._amx_linear_ext, self._amx_linear),
+                       (self._silu_mul_ext, self._silu_mul)):
+            if ext is not None and c is not None:  # the extension's function passes its arguments on in order
+                register_c_function(ext, c)
+        # kiln_replay: a CPU call graph's calls made from C (kiln.graphs.cpu)
+        self.replay_loop: Any = _declared(library, "kiln_replay", [p, i64, ctypes.POINTER(i64)], i64)
+        self.replay_args = library.kiln_replay_args() if self.replay_loop is not None else 0  # the most a call has
 
     def argmax_rows(self, t: torch.Tensor) -> list[int] | None:
         """Each row's index of its largest value, as ``t.max(dim=-1)`` picks it
@@ -344,6 +318,15 @@ class CpuLinearKernel:
 
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _declared(library: ctypes.CDLL, name: str, argtypes: list[Any], restype: Any = ctypes.c_int) -> Any:
+    """``library``'s C function ``name`` with its types declared, or None in a
+    library built before it was there."""
+    fn = getattr(library, name, None)
+    if fn is not None:
+        fn.argtypes, fn.restype = argtypes, restype
+    return fn
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
