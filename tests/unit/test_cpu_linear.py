@@ -272,7 +272,7 @@ def test_the_extension_call_gives_the_ctypes_call_bits(native_kernel) -> None:
     kernel = native_kernel
     assert kernel._linear is not None  # built with Python's headers: the extension module's call
     ctypes_only = cpu_linear.CpuLinearKernel(kernel.path)
-    ctypes_only._linear = None
+    ctypes_only._linear = ctypes_only._silu_mul_ext = None
     torch.manual_seed(0)
     w = torch.randn(40, 64)
     q = _blocks(w, 4)
@@ -284,6 +284,8 @@ def test_the_extension_call_gives_the_ctypes_call_bits(native_kernel) -> None:
         for args in ((x[:3], w.to(dtype), None, None, bias, kind), (x, words, scales, offsets, None, "q4"),
                      (x[:1], words, scales, offsets, bias, "q4-a8")):
             assert torch.equal(kernel(*args), ctypes_only(*args))
+        gate_up = torch.randn(5, 2 * 72, dtype=dtype)
+        assert torch.equal(kernel.silu_mul(gate_up), ctypes_only.silu_mul(gate_up))
 
 
 @pytest.mark.skipif(python_headers() is None, reason="Python's headers are not installed: the library is ctypes-only")
