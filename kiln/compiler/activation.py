@@ -39,9 +39,7 @@ from torch import fx
 
 from kiln.compiler import cpu_linear, onednn
 
-__all__ = ["DTYPES", "implementation", "rewrite_silu_mul", "silu_mul"]
-
-DTYPES = frozenset({torch.float32, torch.bfloat16})  # what the C loop computes
+__all__ = ["implementation", "rewrite_silu_mul", "silu_mul"]
 
 
 def implementation(x: torch.Tensor) -> torch.Tensor:
@@ -96,9 +94,10 @@ def _is_chunk_half(node: Any, index: int) -> fx.Node | None:
 
 def _match(node: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
     """For ``mul(silu(gate), up)`` (either order) with gate and up the halves
-    of one ``chunk`` of an extern linear's output (``_EXTERN_LINEARS``) of
-    ``DTYPES`` on CPU, whose silu and halves serve nothing else: (the linear's
-    output, the chunk, the nodes the op replaces besides ``node``)."""
+    of one ``chunk`` of an extern linear's output (``_EXTERN_LINEARS``) of a
+    dtype the C loop takes (``cpu_linear.FLOAT_DTYPES``) on CPU, whose silu
+    and halves serve nothing else: (the linear's output, the chunk, the nodes
+    the op replaces besides ``node``)."""
     if not (node.op == "call_function" and node.target in (operator.mul, torch.mul) and len(node.args) == 2
             and not node.kwargs):
         return None
@@ -113,7 +112,7 @@ def _match(node: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
         t = chunk.args[0]
         value = _example(t)
         if not (isinstance(t, fx.Node) and t.op == "call_function" and t.target in _EXTERN_LINEARS
-                and value is not None and value.dtype in DTYPES and value.device.type == "cpu"):
+                and value is not None and value.dtype in cpu_linear.FLOAT_DTYPES and value.device.type == "cpu"):
             continue
         if len(act.users) != 1 or len(gate.users) != 1 or len(up.users) != 1 or len(chunk.users) != 2:
             continue

@@ -47,8 +47,8 @@ from torch import nn
 from kiln.models.quant import QuantizedLinear
 from kiln.native import KernelBuildError, NativeSource, import_extension, python_headers, register_c_function
 
-__all__ = ["DENSE_KINDS", "MAX_ROWS", "PACKED_KINDS", "CpuLinearKernel", "KernelBuildError", "LinearPolicy", "SOURCE",
-           "build", "cpu_linear", "dense_kind", "implementation", "load", "model_kinds"]
+__all__ = ["DENSE_KINDS", "FLOAT_DTYPES", "MAX_ROWS", "PACKED_KINDS", "CpuLinearKernel", "KernelBuildError",
+           "LinearPolicy", "SOURCE", "build", "cpu_linear", "dense_kind", "implementation", "load", "model_kinds"]
 
 SOURCE = NativeSource(Path(__file__).with_name("cpu_linear.c"), "cpu-linear")
 MAX_ROWS = 8  # KILN_MAX_ROWS: activation rows one call takes
@@ -186,10 +186,10 @@ class CpuLinearKernel:
         (the first of equal ones, the first NaN), for a CPU fp32 or bf16
         ``[rows, n]`` tensor with contiguous rows; None for anything else, or
         a library without the extension module."""
-        if (self._argmax is None or t.dim() != 2 or t.dtype not in _FLOAT_DTYPES or not t.is_cpu
+        if (self._argmax is None or t.dim() != 2 or t.dtype not in FLOAT_DTYPES or not t.is_cpu
                 or t.stride(1) != 1):
             return None
-        return self._argmax(t, t.dtype == torch.bfloat16, t.shape[0], t.shape[1], t.stride(0),
+        return self._argmax(t, t.dtype == torch.bfloat16, t.shape[0], t.shape[1], _row_stride(t),
                             torch.get_num_threads())
 
     def amx_tiles(self, weight: torch.Tensor) -> torch.Tensor | None:
@@ -239,7 +239,7 @@ class CpuLinearKernel:
         its last dimension (a merged gate/up product), in ``x``'s dtype
         (``kiln_silu_mul``); None for a dtype other than fp32 and bf16, or a
         library built before the loop was there."""
-        if self._silu_mul is None or x.dtype not in _FLOAT_DTYPES or not x.is_cpu:
+        if self._silu_mul is None or x.dtype not in FLOAT_DTYPES or not x.is_cpu:
             return None
         width = x.shape[-1]
         if width % 2:
@@ -317,7 +317,7 @@ class CpuLinearKernel:
         return out.view(*x.shape[:-1], n)
 
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16)
+FLOAT_DTYPES = frozenset({torch.float32, torch.bfloat16})  # what the argmax and SiLU loops take
 
 
 def _declared(library: ctypes.CDLL, name: str, argtypes: list[Any], restype: Any = ctypes.c_int) -> Any:
