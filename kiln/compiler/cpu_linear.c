@@ -901,7 +901,21 @@ done:
  * when their count is odd), for each step of 32 along K, the pair's two tiles
  * one after the other: tile[kk][j][p] = W[16 b + j][32 s + 2 kk + p]. Each
  * thread takes a contiguous share of the pairs and so reads one stream of
- * weights; the rows of the activations repeat per pair, from cache. */
+ * weights; the rows of the activations repeat per pair, from cache.
+ *
+ * A 2x2 block's C tiles are stored to one of two buffers, and rounded into
+ * out a few rows at each step of K of the next block (amx_rows) instead of
+ * at once: the store waits for the block's last product, and rows rounded
+ * right after it kept the core from issuing the next block's loads and
+ * products while the tile unit drained. A row's two column blocks go out as
+ * one 64-byte store. Weights cycled through 1.2 GB, 2 threads of an Intel
+ * Xeon, two scratch runs each, us a call against the store-then-round form:
+ * at 64 rows, the LM head (49152 x 576) 3409-3577 against 3809-3993, the
+ * gate/up weight (3072 x 576) 238-251 against 270-276, QKV (960 x 576) 75-87
+ * against 88-90, the narrow o_proj and down_proj equal; at 16 rows the LM
+ * head 2401 against 2512; at 512 rows gate/up 1027 against 1098. The same
+ * bits. A 64-request bf16 decode step of the 135M shape: 41.3-43.6 against
+ * 42.8-44.8 ms, the same tokens (scratch A/B, two rounds taking turns). */
 #if KILN_AVX512 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     (KILN_KINDS >> 1 & 1) /* KIND_BF16 (an enum, which #if cannot read) */
 #define KILN_AMX 1
@@ -953,24 +967,33 @@ int kiln_amx_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *wp, int thr
     return 0;
 }
 
-/* C tiles 0-3 (row block r, column block c at 2 r + c) plus bias, rounded to
- * bf16 into out; rows from m on are padding and are dropped. */
-static inline void amx_store(float (*cb)[256], int rows2, int cols2, int64_t row0, int64_t col0, int64_t m,
-                             const uint16_t *bias, uint16_t *out, int64_t out_stride) {
-    _tile_stored(0, cb[0], 64);
-    if (cols2) _tile_stored(1, cb[1], 64);
-    if (rows2) {
-        _tile_stored(2, cb[2], 64);
-        if (cols2) _tile_stored(3, cb[3], 64);
-    }
-    for (int t = 0; t < 4; t++) {
-        const int r = t >> 1, c = t & 1;
-        if ((r && !rows2) || (c && !cols2)) continue;
-        const int64_t i0 = row0 + 16 * r, j0 = col0 + 16 * c;
-        const __m512 b = bias ? load_bf16(bias + j0) : _mm512_setzero_ps();
-        for (int i = 0; i < 16 && i0 + i < m; i++) {
-            const __m512 v = _mm512_add_ps(_mm512_load_ps(cb[t] + 16 * i), b);
-            _mm256_storeu_si256((__m256i *)(out + (i0 + i) * out_stride + j0), (__m256i)_mm512_cvtneps_pbh(v));
+/* A 2x2 block of C whose tiles were stored (kiln_amx_linear's cbs), waiting
+ * to be rounded into out: its first row and column, whether its second row
+ * block and second column block are there, whether there is one at all. */
+typedef struct {
+    int64_t row0, col0;
+    int rows2, cols2, live;
+} amx_block;
+
+/* Rows [lo, hi) of a stored block (row r: row r % 16 of row block r / 16),
+ * plus bias, rounded to bf16 into out; rows from m on are padding and are
+ * dropped. A row's two column blocks go out as one 64-byte store. */
+static inline __attribute__((always_inline)) void amx_rows(float (*cb)[256], const amx_block *blk, int lo, int hi,
+                                                           int64_t m, const uint16_t *bias, uint16_t *out,
+                                                           int64_t out_stride) {
+    for (int r = lo; r < hi; r++) {
+        const int t = r >> 4, i = r & 15;
+        const int64_t row = blk->row0 + r;
+        if ((t && !blk->rows2) || row >= m) continue;
+        uint16_t *o = out + row * out_stride + blk->col0;
+        const __m512 c0 = _mm512_add_ps(_mm512_load_ps(cb[2 * t] + 16 * i),
+                                        bias ? load_bf16(bias + blk->col0) : _mm512_setzero_ps());
+        if (blk->cols2) {
+            const __m512 c1 = _mm512_add_ps(_mm512_load_ps(cb[2 * t + 1] + 16 * i),
+                                            bias ? load_bf16(bias + blk->col0 + 16) : _mm512_setzero_ps());
+            _mm512_storeu_si512((void *)o, (__m512i)_mm512_cvtne2ps_pbh(c1, c0));
+        } else {
+            _mm256_storeu_si256((__m256i *)o, (__m256i)_mm512_cvtneps_pbh(c0));
         }
     }
 }
@@ -1005,10 +1028,14 @@ int kiln_amx_linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, c
             config.rows[t] = 16;
         }
         _tile_loadconfig(&config);
-        _Alignas(64) float cb[4][256];
+        _Alignas(64) float cbs[2][4][256];  /* the block being stored, and the one before it */
+        amx_block prev = {0, 0, 0, 0, 0};
+        int cur = 0;
+        /* rows of prev rounded a step of K: all 32 by the block's last step */
+        const int per_step = (int)((32 + steps - 1) / steps);
         for (int64_t c0 = 0; c0 < blocks_m; c0 += KILN_AMX_CHUNK) {
             const int64_t c1 = c0 + KILN_AMX_CHUNK < blocks_m ? c0 + KILN_AMX_CHUNK : blocks_m;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
             for (int64_t p = 0; p < pairs; p++) {
                 const int cols2 = 2 * p + 1 < blocks_n, width = cols2 ? 2 : 1;
                 const uint16_t *w = wp + p * 2 * steps * 512;
@@ -1022,6 +1049,10 @@ int kiln_amx_linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, c
                     _tile_zero(2);
                     _tile_zero(3);
                     for (int64_t s = 0; s < steps; s++) {
+                        const int r0 = (int)s * per_step;
+                        if (prev.live && r0 < 32)
+                            amx_rows(cbs[1 - cur], &prev, r0, r0 + per_step < 32 ? r0 + per_step : 32, m, bias, out,
+                                     out_stride);
                         const uint16_t *b = w + s * width * 512;
                         if (bm == c0)  /* the first pass over the pair reads it from memory */
                             for (int l = 0; l < width * 16; l++)
@@ -1039,9 +1070,18 @@ int kiln_amx_linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, c
                             if (cols2) _tile_dpbf16ps(3, 5, 7);
                         }
                     }
-                    amx_store(cb, rows2, cols2, bm * 16, p * 32, m, bias, out, out_stride);
+                    _tile_stored(0, cbs[cur][0], 64);
+                    if (cols2) _tile_stored(1, cbs[cur][1], 64);
+                    if (rows2) {
+                        _tile_stored(2, cbs[cur][2], 64);
+                        if (cols2) _tile_stored(3, cbs[cur][3], 64);
+                    }
+                    prev = (amx_block){bm * 16, p * 32, rows2, cols2, 1};
+                    cur = 1 - cur;
                 }
             }
+            if (prev.live) amx_rows(cbs[1 - cur], &prev, 0, 32, m, bias, out, out_stride);
+            prev.live = 0;
         }
         _tile_release();
     }
