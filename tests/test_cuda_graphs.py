@@ -14,6 +14,7 @@ import torch
 
 from kiln import Runtime, SamplingParams
 from kiln.config import CUDAGraphMode, CUDAGraphSupport
+from kiln.forward_context import BatchDescriptor
 from kiln.graphs import CUDAGraphDispatcher
 from tests.conftest import RerunGraphs, build_hf_model, hf_greedy, load_eager, random_prompts, save_checkpoint
 
@@ -69,6 +70,40 @@ def test_cpu_call_graphs_of_many_row_bf16_steps_keep_their_linears(llama_checkpo
         assert wrapper.replays >= GREEDY.max_tokens - 2
     else:
         assert 16 not in rt.engine.runner.dispatcher.capture_sizes
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cpu_decode_steps_between_two_sizes_run_the_larger_graph_padded(llama_checkpoint, tmp_path, dtype) -> None:
+    """11 requests with graphs of 8 and 16 (kiln.config.cpu_capture_sizes): a
+    decode step is padded to 16 rows, the padding requests attending to
+    nothing. bf16 linears on AMX tiles are captured so; fp32 ones of 16 rows
+    go through oneDNN, so that capture is refused and the step runs again
+    unpadded. The tokens equal a run without graphs either way."""
+    path, model = llama_checkpoint
+    prompts = random_prompts(11, list(range(5, 16)), model.config.vocab_size, seed=9)
+    common = dict(device="cpu", dtype=dtype, optimization_level=2, max_num_seqs=16, cache_dir=str(tmp_path))
+    plain = Runtime.load(path, cudagraph_mode="NONE", **common)
+    expected = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    rt = Runtime.load(path, **common)
+    runner = rt.engine.runner
+    assert runner.dispatcher.capture_sizes == [1, 2, 3, 4, 5, 6, 7, 8, 16]
+    run, ran = runner._run, []
+
+    def spy(meta, dispatch):  # noqa: ANN001, ANN202
+        ran.append((dispatch.mode, dispatch.num_tokens))
+        return run(meta, dispatch)
+
+    runner._run = spy
+    assert [o.token_ids for o in rt.generate(prompts, GREEDY)] == expected
+    if dtype == "bfloat16" and runner.compiled.linear_kernel.amx:
+        assert set(runner.forward.entries) == {BatchDescriptor(16, 16, True)}
+        assert runner.forward.replays >= GREEDY.max_tokens - 2
+        assert ran.count((FULL, 16)) == GREEDY.max_tokens - 1  # every decode step
+    else:
+        assert 16 not in runner.dispatcher.capture_sizes and not runner.forward.entries
+        refused = ran.index((FULL, 16))
+        assert ran[refused + 1] == (NONE, 11)  # the refused step again, unpadded
+        assert ran.count((NONE, 11)) == GREEDY.max_tokens - 1
 
 
 def test_a_step_with_torch_work_runs_without_a_cpu_call_graph(llama_checkpoint, caplog) -> None:

@@ -425,7 +425,7 @@ def capture_graphs(runner: ModelRunner, config: ResolvedConfig) -> tuple[CUDAGra
     dispatcher = CUDAGraphDispatcher(
         requested, list(config.compilation.cudagraph_capture_sizes or []),
         support=runner.attention_backend.cudagraph_support, has_pieces=runner.compiled is not None,
-        max_num_seqs=config.max_num_seqs, pad=not cpu,
+        max_num_seqs=config.max_num_seqs,
     )
     if dispatcher.mode is CUDAGraphMode.NONE:
         return dispatcher.mode, CaptureReport()

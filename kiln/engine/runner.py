@@ -107,18 +107,18 @@ class ModelRunner:
         num_reqs = dispatch.descriptor.num_reqs if dispatch.mode is CUDAGraphMode.FULL else shape.num_reqs
         if dispatch.num_tokens != shape.num_tokens or num_reqs != shape.num_reqs:
             self.inputs.pad(shape, dispatch.num_tokens, num_reqs)  # type: ignore[arg-type]
-        common = self.inputs.upload(shape, dispatch.num_tokens, num_reqs)  # type: ignore[arg-type]
-        meta = self.attention_backend.build_metadata(common)
+        meta = self._metadata(shape, dispatch.num_tokens, num_reqs)  # type: ignore[arg-type]
         t1 = time.perf_counter()
         try:
             hidden = self._run(meta, dispatch)
         except NotCapturable as e:
             # A CPU call graph refused at its first step, before the work it would
-            # leave out: that size runs without one. Running the step again only
-            # rewrites the same keys and values into the same slots.
+            # leave out: that size runs without one, and this step runs again
+            # unpadded. That only rewrites the same keys and values into the same
+            # slots (padding tokens write none).
             logger.info("no %s graph of %d tokens: %s", dispatch.mode.value, dispatch.num_tokens, e)
             self.dispatcher.drop(dispatch.num_tokens)  # type: ignore[union-attr]
-            hidden = self._run(meta, Dispatch(CUDAGraphMode.NONE, dispatch.descriptor))
+            hidden = self._run(self._metadata(shape, shape.num_tokens, shape.num_reqs), _unpadded(shape))
         logits = self.compute_logits(hidden[self.inputs.logits_indices.view(shape.num_samples)])
         t2 = time.perf_counter()
         sampling = [s for s in sched.scheduled if s.sampling is not None]
@@ -134,8 +134,13 @@ class ModelRunner:
 
     def _dispatch(self, shape: StepShape) -> Dispatch:
         if self.dispatcher is None:
-            return Dispatch(CUDAGraphMode.NONE, BatchDescriptor(shape.num_tokens, shape.num_reqs, shape.uniform_decode))
+            return _unpadded(shape)
         return self.dispatcher.dispatch(shape.num_tokens, shape.num_reqs, shape.uniform_decode)
+
+    def _metadata(self, shape: StepShape, num_tokens: int, num_reqs: int) -> Any:
+        """The attention backend's metadata for the staged step run as
+        ``num_tokens`` tokens of ``num_reqs`` requests (padded or not)."""
+        return self.attention_backend.build_metadata(self.inputs.upload(shape, num_tokens, num_reqs))
 
     def _run(self, meta: Any, dispatch: Dispatch) -> torch.Tensor:
         t = dispatch.num_tokens
@@ -195,7 +200,7 @@ class ModelRunner:
                 reqs = d.descriptor.num_reqs or 1
                 empty = StepShape(0, 0, 0, 0, 0)
                 self.inputs.pad(empty, d.num_tokens, reqs)
-                meta = self.attention_backend.build_metadata(self.inputs.upload(empty, d.num_tokens, reqs))
+                meta = self._metadata(empty, d.num_tokens, reqs)
                 self._run(meta, Dispatch(CUDAGraphMode.NONE, d.descriptor))
                 self._run(meta, d)
                 bar.update(f"{d.mode.value} {d.num_tokens} tokens")
@@ -215,6 +220,11 @@ class ModelRunner:
         with set_forward_context(ForwardContext(attn_metadata=None, kv_caches=self.kv_caches)):
             hidden = self.forward(self.inputs.input_ids.device[:n], self.inputs.positions.device[:n])
             self.compute_logits(hidden[: self.max_num_seqs])
+
+
+def _unpadded(shape: StepShape) -> Dispatch:
+    """The step as it is, without a graph."""
+    return Dispatch(CUDAGraphMode.NONE, BatchDescriptor(shape.num_tokens, shape.num_reqs, shape.uniform_decode))
 
 
 def _argmax_kernel(compiled: Any) -> Any:

@@ -13,8 +13,8 @@ modes per step, with priority FULL > PIECEWISE > NONE:
 A step's token count is padded up to the next capture size; the padded count is
 the graph's key. FULL graphs also pad the request count (padding requests own no
 query rows), because kernels size their grids by it. CPU call graphs
-(``kiln.graphs.cpu``) are not padded (``pad=False``): a padding row costs a CPU
-as much as a real one, so a step uses a graph only of its own size.
+(``kiln.graphs.cpu``) are padded the same way; their sizes are chosen so that
+padding costs little there (``kiln.config.cpu_capture_sizes``).
 """
 
 from __future__ import annotations
@@ -74,8 +74,7 @@ class CUDAGraphDispatcher:
     ``requested`` is the configured mode; it is downgraded once, here, to what the
     attention backend's ``support`` and ``has_pieces`` allow, and the result is
     ``self.mode``. ``capture_sizes`` are the padded token counts graphs exist for;
-    ``max_num_seqs`` is what FULL graphs pad the request count up to. ``pad``:
-    whether a step may run the graph of a larger size (False: only its own).
+    ``max_num_seqs`` is what FULL graphs pad the request count up to.
     """
 
     def __init__(
@@ -86,10 +85,8 @@ class CUDAGraphDispatcher:
         support: CUDAGraphSupport,
         has_pieces: bool,
         max_num_seqs: int,
-        pad: bool = True,
     ) -> None:
         self.requested = requested
-        self.pad = pad
         self.support = support
         self.mode = effective_mode(requested, support, has_pieces=has_pieces)
         if self.mode is not requested:
@@ -107,10 +104,9 @@ class CUDAGraphDispatcher:
         return self.capture_sizes[-1] if self.capture_sizes else 0
 
     def padded(self, num_tokens: int) -> int | None:
-        """The smallest capture size >= ``num_tokens`` (without padding: equal);
-        None where there is none."""
+        """The smallest capture size >= ``num_tokens``; None where there is none."""
         i = bisect.bisect_left(self.capture_sizes, num_tokens)
-        if i == len(self.capture_sizes) or (not self.pad and self.capture_sizes[i] != num_tokens):
+        if i == len(self.capture_sizes):
             return None
         return self.capture_sizes[i]
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.config import CompilationConfig, CUDAGraphMode, CUDAGraphSupport
+from kiln.config import CompilationConfig, CUDAGraphMode, CUDAGraphSupport, cpu_capture_sizes
+from kiln.forward_context import BatchDescriptor
 from kiln.graphs import CpuCallGraphs, CUDAGraphDispatcher, NotCapturable
 from kiln.graphs.cpu import ReplayError
 
@@ -97,15 +98,36 @@ def test_a_replayed_call_that_returns_otherwise_raises() -> None:
         graphs.replay(graph)
 
 
-def test_the_dispatcher_without_padding_uses_only_a_steps_own_size() -> None:
-    d = CUDAGraphDispatcher(CUDAGraphMode.FULL_DECODE_ONLY, [1, 2, 4], support=CUDAGraphSupport.UNIFORM_DECODE,
-                            has_pieces=True, max_num_seqs=8, pad=False)
-    assert d.dispatch(2, 2, True).mode is CUDAGraphMode.FULL
-    assert d.dispatch(3, 3, True).mode is CUDAGraphMode.NONE  # no graph of 3; 4 is not used
+def test_a_decode_step_runs_the_next_graph_and_a_dropped_size_the_one_after() -> None:
+    d = CUDAGraphDispatcher(CUDAGraphMode.FULL_DECODE_ONLY, [1, 2, 4, 8], support=CUDAGraphSupport.UNIFORM_DECODE,
+                            has_pieces=True, max_num_seqs=8)
+    assert d.dispatch(2, 2, True).descriptor == BatchDescriptor(2, 2, True)
+    three = d.dispatch(3, 3, True)  # padded to the graph of 4: a padding request attends to nothing
+    assert (three.mode, three.descriptor) == (CUDAGraphMode.FULL, BatchDescriptor(4, 4, True))
     assert d.dispatch(2, 1, False).mode is CUDAGraphMode.NONE  # not a uniform decode step
-    d.drop(2)
-    assert d.dispatch(2, 2, True).mode is CUDAGraphMode.NONE
-    assert d.capture_sizes == [1, 4]
+    assert d.dispatch(9, 9, True).mode is CUDAGraphMode.NONE  # above the largest size
+    d.drop(4)
+    assert d.dispatch(3, 3, True).descriptor == BatchDescriptor(8, 8, True)
+    assert d.capture_sizes == [1, 2, 8]
+
+
+@pytest.mark.parametrize(("max_num_seqs", "sizes"), [
+    (6, [1, 2, 3, 4, 5, 6]),
+    (8, [1, 2, 3, 4, 5, 6, 7, 8]),
+    (12, [1, 2, 3, 4, 5, 6, 7, 8, 12]),
+    (16, [1, 2, 3, 4, 5, 6, 7, 8, 16]),
+    (50, [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 48, 50]),
+    (64, [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 48, 64]),
+    (256, [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 48, 64]),
+])
+def test_cpu_capture_sizes_are_every_few_row_size_then_the_amx_tiles(max_num_seqs: int, sizes: list[int]) -> None:
+    """Each size up to 8 requests its own graph; above, multiples of 16 up to
+    64, never more request rows than the buffers hold (so ``max_num_seqs``
+    itself between two of them)."""
+    assert cpu_capture_sizes(max_num_seqs) == sizes
+    resolved = CompilationConfig(level=2).resolve(device_type="cpu", max_num_seqs=max_num_seqs,
+                                                  max_num_batched_tokens=2048)
+    assert resolved.cudagraph_capture_sizes == tuple(sizes)
 
 
 @pytest.mark.parametrize(("level", "mode", "expected"), [
