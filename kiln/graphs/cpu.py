@@ -93,6 +93,15 @@ class _OnlyAllocations(TorchDispatchMode):
     """Refuses every torch operator but allocations and views; keeps what
     they return."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo unless
+        # this says no; the wrapper's first call imports torch._dynamo, about 2 s
+        # (a padded step's capture slicing its rows, on a warm start that
+        # otherwise never loads it: its first step of 24 requests took 2.24 s
+        # against 0.03). A capture never runs under torch.compile.
+        return False
+
     def __init__(self) -> None:
         super().__init__()
         self.kept: list[torch.Tensor] = []

@@ -7,6 +7,10 @@ kiln's C kernels, they compute without going through torch's dispatcher."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 import torch
@@ -158,3 +162,30 @@ def test_calls_from_another_thread_are_not_recorded() -> None:
     graph, _ = CpuCallGraphs(lambda: [(holder, "kernel")]).capture(step, None)
     assert calls == ["mine", "theirs"]
     assert [args for _, args, _ in graph.calls] == [("mine",)]
+
+
+def test_a_capture_never_imports_torch_dynamo() -> None:
+    """torch wraps a dispatch mode's hook so that its first call imports
+    torch._dynamo (about 2 s), which a warm start replaying exported code
+    never loads otherwise: a padded step's capture slices its rows, and a
+    refused one runs a torch operator, and neither may pay that."""
+    code = textwrap.dedent("""
+        import sys
+        import torch
+        from kiln.graphs import CpuCallGraphs, NotCapturable
+        holder = {"kernel": lambda *args: 0}
+        graphs = CpuCallGraphs(lambda: [(holder, "kernel")])
+        x = torch.zeros(4)
+        with torch.inference_mode():
+            graphs.capture(lambda: holder["kernel"](x[:2]) or torch.empty(3), None)
+            try:
+                graphs.capture(lambda: holder["kernel"](x) or x.add(1), None)
+            except NotCapturable:
+                pass
+            else:
+                raise SystemExit("the add was not refused")
+        print("torch._dynamo" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
