@@ -312,7 +312,66 @@ static inline __attribute__((always_inline)) void packed_row(
     _Pragma("GCC unroll 8") for (int i = 0; i < m; i++) res[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], acc2[i]));
 }
 
-/* The activations in the packed words' lane order (packed_row above):
+#else  /* AVX2 */
+static inline __m256 nibble_lane(__m256i v, int b) {  /* nibble b of each word, 0..15 */
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, _mm256_set1_epi32(4 * b)),
+                                               _mm256_set1_epi32(15)));
+}
+
+/* The 32 products of one group's unpacked weights (f[v] against activations
+ * 8v .. 8v + 7, in the order the weights take them) summed pairwise: two short chains instead of one of
+ * four multiply-adds, which bound the loop by their latency (int8: 0.92x
+ * Inductor's reduction on the 135M LM head with one chain). */
+static inline __m256 dot32(const __m256 f[4], const float *xp) {
+    const __m256 p0 = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xp + 16), _mm256_mul_ps(f[0], _mm256_loadu_ps(xp)));
+    const __m256 p1 = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xp + 24), _mm256_mul_ps(f[1], _mm256_loadu_ps(xp + 8)));
+    return _mm256_add_ps(p0, p1);
+}
+
+/* q4: nibble b of 8 words gives 8 consecutive elements, so the activations
+ * stay in their own order; int8 and q8_0: below. */
+static inline __attribute__((always_inline)) void packed_row(
+        int kind, const float *x, int64_t k, const int32_t *words, const uint16_t *scales, int m, float *res) {
+    __m256 acc[KILN_MAX_ROWS];
+    _Pragma("GCC unroll 8") for (int i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
+    if (kind == KIND_Q4) {
+        for (int64_t g = 0; g < k / 64; g++) {
+            prefetch_ahead(words + g * 64 / 8);
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(words + g * 64 / 8));
+            for (int half = 0; half < 2; half++) {
+                __m256 f[4];
+                for (int b = 0; b < 4; b++) f[b] = nibble_lane(v, half * 4 + b);
+                const __m256 d = _mm256_set1_ps(half_at(scales, g * 2 + half));
+                _Pragma("GCC unroll 8") for (int i = 0; i < m; i++)
+                    acc[i] = _mm256_fmadd_ps(dot32(f, x + i * k + g * 64 + half * 32), d, acc[i]);
+            }
+        }
+    } else {
+        /* eight bytes (two words) widened at a time, lane 4j + b holding byte b
+         * of word j, against the activations permuted as for AVX-512
+         * (permute_packed: its vectors' halves are these): two instructions per
+         * 8 weights where taking byte b of 8 words (shift, shift, convert) took
+         * three */
+        const int8_t *bytes = (const int8_t *)words;
+        for (int64_t g = 0; g < k / 32; g++) {
+            const int8_t *p = bytes + g * 32;
+            prefetch_ahead(p);
+            __m256 f[4];
+            for (int h = 0; h < 4; h++)
+                f[h] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h))));
+            const __m256 d = kind == KIND_Q8_0 ? _mm256_set1_ps(half_at(scales, g)) : _mm256_setzero_ps();
+            _Pragma("GCC unroll 8") for (int i = 0; i < m; i++) {
+                const __m256 t = dot32(f, x + i * k + g * 32);
+                acc[i] = kind == KIND_Q8_0 ? _mm256_fmadd_ps(t, d, acc[i]) : _mm256_add_ps(t, acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < m; i++) res[i] = hsum8(acc[i]);
+}
+#endif
+
+/* The activations in the packed words' lane order (packed_row: AVX-512's
+ * vectors of 16, and AVX2's of 8 for int8 and q8_0, the halves of those):
  * row-major [M, K] in, the same size out. */
 static void permute_packed(int kind, const float *x, float *xp, int64_t m, int64_t k) {
     for (int64_t i = 0; i < m; i++) {
@@ -334,60 +393,6 @@ static void permute_packed(int kind, const float *x, float *xp, int64_t m, int64
         }
     }
 }
-#else  /* AVX2 */
-static inline __m256 byte_lane(__m256i v, int b) {  /* signed byte b of each word */
-    return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_sllv_epi32(v, _mm256_set1_epi32(24 - 8 * b)), 24));
-}
-
-static inline __m256 nibble_lane(__m256i v, int b) {  /* nibble b of each word, 0..15 */
-    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, _mm256_set1_epi32(4 * b)),
-                                               _mm256_set1_epi32(15)));
-}
-
-/* The 32 products of one group's unpacked weights (f[b]: elements 8b .. 8b + 7)
- * with 32 activations, summed pairwise: two short chains instead of one of
- * four multiply-adds, which bound the loop by their latency (int8: 0.92x
- * Inductor's reduction on the 135M LM head with one chain). */
-static inline __m256 dot32(const __m256 f[4], const float *xp) {
-    const __m256 p0 = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xp + 16), _mm256_mul_ps(f[0], _mm256_loadu_ps(xp)));
-    const __m256 p1 = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xp + 24), _mm256_mul_ps(f[1], _mm256_loadu_ps(xp + 8)));
-    return _mm256_add_ps(p0, p1);
-}
-
-/* Byte (nibble) b of 8 words gives 8 consecutive elements: the activations
- * stay in their own order. */
-static inline __attribute__((always_inline)) void packed_row(
-        int kind, const float *x, int64_t k, const int32_t *words, const uint16_t *scales, int m, float *res) {
-    __m256 acc[KILN_MAX_ROWS];
-    _Pragma("GCC unroll 8") for (int i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
-    if (kind == KIND_Q4) {
-        for (int64_t g = 0; g < k / 64; g++) {
-            prefetch_ahead(words + g * 64 / 8);
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(words + g * 64 / 8));
-            for (int half = 0; half < 2; half++) {
-                __m256 f[4];
-                for (int b = 0; b < 4; b++) f[b] = nibble_lane(v, half * 4 + b);
-                const __m256 d = _mm256_set1_ps(half_at(scales, g * 2 + half));
-                _Pragma("GCC unroll 8") for (int i = 0; i < m; i++)
-                    acc[i] = _mm256_fmadd_ps(dot32(f, x + i * k + g * 64 + half * 32), d, acc[i]);
-            }
-        }
-    } else {
-        for (int64_t g = 0; g < k / 32; g++) {
-            prefetch_ahead(words + g * 8);
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(words + g * 8));
-            __m256 f[4];
-            for (int b = 0; b < 4; b++) f[b] = byte_lane(v, b);
-            const __m256 d = kind == KIND_Q8_0 ? _mm256_set1_ps(half_at(scales, g)) : _mm256_setzero_ps();
-            _Pragma("GCC unroll 8") for (int i = 0; i < m; i++) {
-                const __m256 t = dot32(f, x + i * k + g * 32);
-                acc[i] = kind == KIND_Q8_0 ? _mm256_fmadd_ps(t, d, acc[i]) : _mm256_add_ps(t, acc[i]);
-            }
-        }
-    }
-    for (int i = 0; i < m; i++) res[i] = hsum8(acc[i]);
-}
-#endif
 
 /* q4's offsets against the activations' block sums: sum over blocks of
  * offsets[b] * xsum[b], in vectors. Written as a scalar loop it was a chain of
@@ -746,8 +751,8 @@ static void *carve(unsigned char *base, size_t *used, size_t bytes) {
  * 32-element block sums in ``xsum`` (for q4's offsets). ``round_x``: rounded
  * to int8 per 32 elements (round_blocks), then with VNNI laid out for
  * vnni_row in ``*vr`` (``*vnni`` set), else written back into ``xbuf`` as the
- * rounded fp32 values; otherwise as they are. For packed_row with AVX-512,
- * fp32 rows are permuted into the words' order. Returns what the rows take,
+ * rounded fp32 values; otherwise as they are. For packed_row the fp32 rows
+ * are then permuted into the words' order (AVX2: int8 and q8_0 only). Returns what the rows take,
  * or NULL when memory could not be allocated; ``*heap`` is for the caller to
  * free. */
 static const void *prepare_packed(int kind, int round_x, float *xbuf, int64_t m, int64_t k, float *xsum,
@@ -766,11 +771,9 @@ static const void *prepare_packed(int kind, int round_x, float *xbuf, int64_t m,
     } else {
         need += (size_t)(m * k) * 4 + 64;
     }
-#elif KILN_AVX512
-    (void)vr;
-    need += (size_t)(m * k) * 4 + 64;
 #else
     (void)vr;
+    if (KILN_AVX512 || kind != KIND_Q4) need += (size_t)(m * k) * 4 + 64;
 #endif
     unsigned char *base = local;
     if (need > local_bytes) {
@@ -800,13 +803,12 @@ static const void *prepare_packed(int kind, int round_x, float *xbuf, int64_t m,
             xsum[b] = s;
         }
     }
-#if KILN_AVX512
-    float *perm = carve(base, &used, (size_t)(m * k) * 4);
-    permute_packed(kind, xbuf, perm, m, k);
-    return perm;
-#else
+    if (KILN_AVX512 || kind != KIND_Q4) {  /* AVX2's q4 takes the activations in their own order */
+        float *perm = carve(base, &used, (size_t)(m * k) * 4);
+        permute_packed(kind, xbuf, perm, m, k);
+        return perm;
+    }
     return xbuf;
-#endif
 }
 
 /* out[M, N] = x[M, K] @ W[N, K]^T + bias. Returns 0, -1 for arguments
