@@ -319,9 +319,10 @@ static inline __m256 nibble_lane(__m256i v, int b) {  /* nibble b of each word, 
 }
 
 /* The 32 products of one group's unpacked weights (f[v] against activations
- * 8v .. 8v + 7, in the order the weights take them) summed pairwise: two short chains instead of one of
- * four multiply-adds, which bound the loop by their latency (int8: 0.92x
- * Inductor's reduction on the 135M LM head with one chain). */
+ * 8v .. 8v + 7, in the order the weights take them) summed pairwise: two
+ * short chains instead of one of four multiply-adds, which bound the loop by
+ * their latency (int8: 0.92x Inductor's reduction on the 135M LM head with
+ * one chain). */
 static inline __m256 dot32(const __m256 f[4], const float *xp) {
     const __m256 p0 = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xp + 16), _mm256_mul_ps(f[0], _mm256_loadu_ps(xp)));
     const __m256 p1 = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xp + 24), _mm256_mul_ps(f[1], _mm256_loadu_ps(xp + 8)));
@@ -752,9 +753,9 @@ static void *carve(unsigned char *base, size_t *used, size_t bytes) {
  * to int8 per 32 elements (round_blocks), then with VNNI laid out for
  * vnni_row in ``*vr`` (``*vnni`` set), else written back into ``xbuf`` as the
  * rounded fp32 values; otherwise as they are. For packed_row the fp32 rows
- * are then permuted into the words' order (AVX2: int8 and q8_0 only). Returns what the rows take,
- * or NULL when memory could not be allocated; ``*heap`` is for the caller to
- * free. */
+ * are then permuted into the words' order (AVX2: int8 and q8_0 only).
+ * Returns what the rows take, or NULL when memory could not be allocated;
+ * ``*heap`` is for the caller to free. */
 static const void *prepare_packed(int kind, int round_x, float *xbuf, int64_t m, int64_t k, float *xsum,
                                   unsigned char *local, size_t local_bytes, void **heap, void *vr, int *vnni) {
     const int64_t blocks = m * (k / 32);
