@@ -123,10 +123,11 @@ def _free_port() -> int:
 
 
 def run_server(model: Path, level: int, prompts: list[list[int]], budgets: list[int], clients: int,
-               env: dict[str, str], repeats: int) -> dict[str, Any]:
+               env: dict[str, str], repeats: int, options: list[str]) -> dict[str, Any]:
+    """``options``: more ``kiln serve`` arguments (``--dtype``, ``--cudagraph-mode``)."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", str(model), "-O", str(level), "--port", str(port)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", str(model), "-O", str(level), "--port", str(port),
+                             *options], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
         t0 = time.perf_counter()
@@ -161,18 +162,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each side; the median is reported")
+    p.add_argument("--dtype", default=None, help="kiln's dtype on both sides (default: kiln's)")
+    p.add_argument("--cudagraph-mode", default=None, help="kiln's graph mode on both sides (default: the level's)")
     p.add_argument("--out", type=Path, default=None, help="results directory (default bench/results)")
     args = p.parse_args(argv)
     record = RunRecord("serve", "cpu")
     model = resolve_model_arg(args.model)
     prompts, budgets = _workload(model, args.requests, args.max_tokens)
     env = {**os.environ}
-    offline = run_offline(model, prompts, budgets, {"optimization_level": args.level, "max_num_seqs": args.clients},
-                          args.repeats)
-    served = run_server(model, args.level, prompts, budgets, args.clients, env, args.repeats)
+    load: dict[str, Any] = {"optimization_level": args.level, "max_num_seqs": args.clients}
+    options: list[str] = []
+    for name in ("dtype", "cudagraph_mode"):
+        if getattr(args, name) is not None:
+            load[name] = getattr(args, name)
+            options += [f"--{name.replace('_', '-')}", getattr(args, name)]
+    offline = run_offline(model, prompts, budgets, load, args.repeats)
+    served = run_server(model, args.level, prompts, budgets, args.clients, env, args.repeats, options)
     ratio = served["tokens_per_s"] / offline["tokens_per_s"]
     itl_ratio = served["itl_p99"] / served["itl_p50"] if served["itl_p50"] else None
     report = {**record.head(), "model": args.model, "level": args.level, "clients": args.clients,
+              "dtype": args.dtype, "cudagraph_mode": args.cudagraph_mode,
               "requests": args.requests, "max_tokens": args.max_tokens, "offline": offline, "server": served,
               "server_over_offline": round(ratio, 3), "itl_p99_over_p50": itl_ratio and round(itl_ratio, 3),
               "goals": {"server_over_offline": ">= 0.95", "itl_p99_over_p50": "<= 1.5 at 16 clients"}}
