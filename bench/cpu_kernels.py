@@ -520,7 +520,10 @@ def render_huge_pages(report: dict[str, Any]) -> str:
 
 # --------------------------------------------------------------- decode attention
 
-DECODE_CASES = ((1, 128), (1, 512), (16, 256), (64, 192), (64, 512))  # (requests, context tokens)
+# (requests, mean context tokens, step): with a step, the requests' lengths fall
+# by it from the first to the last, as a server's batch holds its oldest requests
+# first (64 at 355: 670, 660, ..., 40)
+DECODE_CASES = ((1, 128, 0), (1, 512, 0), (16, 256, 0), (64, 192, 0), (64, 512, 0), (64, 355, 10))
 DECODE_BLOCK_SIZE, DECODE_CACHE_BLOCKS = 16, 4096
 # Layers' caches the timed calls take in turn (100 MB each in fp32): an engine's
 # step reads each layer's keys and values once, from DRAM, not one layer's
@@ -528,23 +531,29 @@ DECODE_BLOCK_SIZE, DECODE_CACHE_BLOCKS = 16, 4096
 DECODE_LAYERS = 8
 
 
-def _decode_case(requests: int, context: int, gen: torch.Generator, layers: int = 1) -> dict[str, Any]:
-    """One step's decode requests and ``layers`` caches (``kv_cache``: the
-    first) holding their keys and values at the same blocks."""
+def _decode_lengths(requests: int, context: int, step: int) -> list[int]:
+    """Each request's context: ``context`` each, or falling by ``step`` around it."""
+    return [context + round(step * ((requests - 1) / 2 - i)) for i in range(requests)]
+
+
+def _decode_case(lengths: list[int], gen: torch.Generator, layers: int = 1) -> dict[str, Any]:
+    """One step's decode requests of these context lengths and ``layers``
+    caches (``kv_cache``: the first) holding their keys and values at the same
+    blocks."""
     from kiln.attention.cpu_decode import DecodeStep
 
     heads, kv_heads = SMOLLM2["num_attention_heads"], SMOLLM2["num_key_value_heads"]
-    blocks = -(-context // DECODE_BLOCK_SIZE)
+    requests, blocks = len(lengths), -(-max(lengths) // DECODE_BLOCK_SIZE)
     caches = [torch.randn(2, DECODE_CACHE_BLOCKS, DECODE_BLOCK_SIZE, kv_heads, HEAD_DIM, generator=gen)
               for _ in range(layers)]
     table = torch.randperm(DECODE_CACHE_BLOCKS, generator=gen)[: requests * blocks].view(requests, blocks)
-    lens = torch.full((requests,), context, dtype=torch.int32)
+    lens = torch.tensor(lengths, dtype=torch.int32)
     # the attention alone: no new tokens to write
     step = DecodeStep(torch.arange(requests), table.to(torch.int32).contiguous(), lens,
                       torch.empty(0, dtype=torch.int64), 0)
     return {"query": torch.randn(requests, heads, HEAD_DIM, generator=gen), "kv_cache": caches[0], "caches": caches,
-            "table": table, "step": step, "new_kv": torch.empty(0, kv_heads, HEAD_DIM), "valid": torch.ones(requests, 1, 1, blocks * DECODE_BLOCK_SIZE,
-                                                               dtype=torch.bool)}
+            "table": table, "step": step, "new_kv": torch.empty(0, kv_heads, HEAD_DIM),
+            "valid": (torch.arange(blocks * DECODE_BLOCK_SIZE) < lens[:, None]).view(requests, 1, 1, -1)}
 
 
 def _torch_decode(c: dict[str, Any]) -> torch.Tensor:
@@ -569,8 +578,9 @@ def decode_attention_report(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="kiln-bench-kernel-") as tmp:
         kernel = PagedDecodeKernel(Path(tmp) / build_paged_decode(Path(tmp)))
-        for requests, context in DECODE_CASES[:1] if args.smoke else DECODE_CASES:
-            c = _decode_case(requests, context, gen, layers=1 if args.smoke else DECODE_LAYERS)
+        for requests, context, step in DECODE_CASES[:1] if args.smoke else DECODE_CASES:
+            lengths = _decode_lengths(requests, context, step)
+            c = _decode_case(lengths, gen, layers=1 if args.smoke else DECODE_LAYERS)
             out = torch.empty_like(c["query"])
             layer = itertools.cycle(c["caches"])
 
@@ -586,8 +596,8 @@ def decode_attention_report(args: argparse.Namespace) -> dict[str, Any]:
             error = (out - _torch_decode(c)).abs().max().item()
             timed = {name: time_per_call(fn, repeats=args.repeats, min_batch_seconds=0.01 if args.smoke else 0.2)
                      for name, fn in (("torch", reference), ("kernel", native))}
-            kv_bytes = 2 * requests * context * c["kv_cache"].shape[-2] * HEAD_DIM * 4
-            rows.append({"requests": requests, "context": context, "max_abs_difference": error,
+            kv_bytes = 2 * sum(lengths) * c["kv_cache"].shape[-2] * HEAD_DIM * 4
+            rows.append({"requests": requests, "context": context, "falling_by": step, "max_abs_difference": error,
                          "kv_bytes": kv_bytes, **{f"{n}_ms": t["median_ms"] for n, t in timed.items()},
                          **{f"{n}_gb_per_s": kv_bytes / t["median_ms"] / 1e6 for n, t in timed.items()},
                          "speedup": timed["torch"]["median_ms"] / timed["kernel"]["median_ms"], "timings": timed})
@@ -599,8 +609,13 @@ def decode_attention_report(args: argparse.Namespace) -> dict[str, Any]:
             "results": rows}
 
 
+def _context_label(row: dict[str, Any]) -> str:
+    lengths = _decode_lengths(row["requests"], row["context"], row.get("falling_by", 0))
+    return str(row["context"]) if lengths[0] == lengths[-1] else f"{row['context']} ({lengths[0]}..{lengths[-1]})"
+
+
 def render_decode_attention(report: dict[str, Any]) -> str:
-    rows = [[str(r["requests"]), str(r["context"]), fmt(r["torch_ms"], 3), fmt(r["kernel_ms"], 3), fmt(r["speedup"], 2),
+    rows = [[str(r["requests"]), _context_label(r), fmt(r["torch_ms"], 3), fmt(r["kernel_ms"], 3), fmt(r["speedup"], 2),
              fmt(r["torch_gb_per_s"], 1), fmt(r["kernel_gb_per_s"], 1), f"{r['max_abs_difference']:.1e}"]
             for r in report["results"]]
     return "decode attention, one layer of SmolLM2-135M's heads (fp32, paged cache)\n\n" + format_table(

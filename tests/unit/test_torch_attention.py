@@ -259,6 +259,62 @@ def test_the_c_decode_kernel_keeps_short_requests_whole(decode_kernel) -> None:
     assert _share(decode_kernel, [500] * 4, 9, 3, 16, 0, 2) == (3, 1)  # a request an item
 
 
+def _thread_shares(kernel, seq_lens: list[int], block_size: int, window: int, threads: int) -> list[tuple[int, int]]:
+    """The items [first, last) each thread takes, a request an item."""
+    lib = ctypes.CDLL(str(kernel.path))
+    lens = (ctypes.c_int32 * len(seq_lens))(*seq_lens)
+    i = ctypes.c_int64
+    lib.kiln_decode_thread_share.argtypes = [ctypes.c_void_p, i, i, i, i, i, i, i, ctypes.c_void_p]
+    shares = []
+    for t in range(threads):
+        out = (ctypes.c_int64 * 2)()
+        lib.kiln_decode_thread_share(lens, window, block_size, 1, 1, len(seq_lens), t, threads, out)
+        shares.append((out[0], out[1]))
+    return shares
+
+
+@pytest.mark.parametrize("threads", [2, 3, 5])
+@pytest.mark.parametrize("window", [0, 40])
+@pytest.mark.parametrize("seq_lens", [[600] * 32 + [60] * 32, list(range(670, 30, -10)), [330] * 64, [5, 900, 7, 3]])
+def test_the_c_decode_kernel_shares_requests_by_their_length(decode_kernel, seq_lens: list[int], window: int,
+                                                             threads: int) -> None:
+    """Each thread takes a contiguous run of the requests, together all of them
+    once, each run within one request's cost of an equal share of the
+    positions (a block's worth added per request): a batch whose oldest
+    requests are the longest no longer leaves one thread waiting."""
+    block_size = 16
+    shares = _thread_shares(decode_kernel, seq_lens, block_size, window, threads)
+    nonempty = [(a, b) for a, b in shares if a < b]
+    assert [i for a, b in nonempty for i in range(a, b)] == list(range(len(seq_lens)))
+    cost = [min(n, window or n) + block_size for n in seq_lens]
+    fair = sum(cost) / threads
+    for a, b in shares:
+        assert abs(sum(cost[a:b]) - fair) <= max(cost), (shares, fair)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_decode_kernel_over_requests_of_very_different_lengths(decode_kernel, kernel_only, threads: int,
+                                                                     dtype) -> None:
+    seq_lens = [90, 75, 40, 17, 2, 1]  # a request an item for 2 and 3 threads; the first ones the longest
+    kv_cache, common, query, key, value = _step([1] * len(seq_lens), seq_lens, seed=15, kv_heads=3, group=3,
+                                                head_dim=64, block_size=16)
+    kv_cache, query, key, value = (t.to(dtype) for t in (kv_cache, query, key, value))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # DecodeStep hands the kernel torch's thread count
+    try:
+        backend = TorchAttentionBackend().with_decode_kernel(decode_kernel)
+        out = torch.full_like(query, float("nan"))
+        backend.forward(query, key, value, out, kv_cache, backend.build_metadata(common), 0.3, 0)
+    finally:
+        torch.set_num_threads(before)
+    want = _dense(kv_cache.float(), common, query.float(), 0, 0.3)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), want.to(torch.bfloat16).float(), atol=1e-2, rtol=2 ** -7)
+
+
 def test_a_decode_step_over_the_same_buffers_reuses_its_kernel_step(decode_kernel, kernel_only) -> None:
     """The runner's inputs are the same tensors each step: the backend hands
     the kernel the same DecodeStep, which reads what the buffers hold now (the
