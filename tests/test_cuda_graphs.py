@@ -50,6 +50,28 @@ def test_cpu_call_graphs_generate_the_eager_tokens(llama_checkpoint) -> None:
     assert [o.token_ids for o in eager.generate(prompts, GREEDY)] == expected
 
 
+def test_cpu_call_graphs_of_every_size_share_one_arena(llama_checkpoint) -> None:
+    """Requests ending one after another: decode steps of 4, 3, 2 and 1
+    requests, each size's graph carving its buffers from the start of one
+    arena, twice over (each replay after the other sizes wrote there); the
+    tokens equal transformers'."""
+    path, model = llama_checkpoint
+    prompts = random_prompts(4, [4, 9, 15, 6], model.config.vocab_size, seed=8)
+    budgets = [3, 5, 7, 9]
+    expected = [hf_greedy(model, p, n) for p, n in zip(prompts, budgets)]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in budgets]
+    rt = Runtime.load(path, device="cpu", optimization_level=2, compile_sizes=[1, 2, 4], max_num_seqs=4)
+    for _ in range(2):
+        assert [o.token_ids for o in rt.generate(prompts, params)] == expected
+    wrapper = rt.engine.runner.forward
+    assert {d.num_tokens for d in wrapper.entries} == {1, 2, 3, 4}
+    arena = wrapper.pool.chunks
+    assert len(arena) == 1  # the test model's steps are far below a chunk
+    starts = {entry.output.data_ptr() - arena[0].data_ptr() for entry in wrapper.entries.values()}
+    assert all(0 <= s < arena[0].numel() for s in starts)
+    assert all(entry.graph.nbytes > 0 for entry in wrapper.entries.values())
+
+
 def test_cpu_call_graphs_of_many_row_bf16_steps_keep_their_linears(llama_checkpoint, tmp_path) -> None:
     """Decode steps of 16 requests in bf16, their graphs asked for: where the
     CPU has AMX tiles their linears run on the C kernel's ``amx_linear``, torch

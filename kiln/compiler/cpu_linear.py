@@ -346,6 +346,12 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 _empty = torch._C._dynamo.guards._empty_strided_cpu  # (size, stride, dtype): what Inductor's CPU code allocates with
+
+
+def allocation_site() -> tuple[dict[str, Any], str]:
+    """Where the kernels' outputs are allocated from (``kiln.graphs.cpu``
+    swaps it while it captures)."""
+    return globals(), "_empty"
 _LOADED: list[CpuLinearKernel] = []  # what the op calls: the library loaded last
 
 

@@ -151,6 +151,16 @@ class CompiledModel:
             sites += kernel.native_sites()
         return sites
 
+    def allocation_sites(self) -> list[tuple[Any, str]]:
+        """Where a forward finds the allocator that bypasses torch's dispatcher
+        (Inductor's ``empty_strided_cpu``, which the C linear kernel's op
+        calls too), as ``kiln.graphs.cpu`` points a capture's allocations at
+        the memory every graph shares."""
+        sites: list[tuple[Any, str]] = [(fn.namespace, ReplayedArtifact.ALLOCATOR) for piece in self.pieces.values()
+                                        for fn in piece.runnables()
+                                        if isinstance(fn, ReplayedArtifact) and ReplayedArtifact.ALLOCATOR in fn.namespace]
+        return sites + [cpu_linear.allocation_site()]
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         out = self.module(*self.arguments(input_ids, positions))
         return out[0] if isinstance(out, (tuple, list)) else out

@@ -302,6 +302,8 @@ class ReplayedArtifact:
         self.namespace = namespace if namespace is not None else {}
         self.kernels = kernels
 
+    ALLOCATOR = "empty_strided_cpu"  # the name the exported code allocates its buffers through
+
     def native_sites(self) -> list[tuple[dict[str, Any], str]]:
         """Where its code finds each kernel function (``kiln.graphs.cpu``):
         every native call it makes, besides those of kiln's own ops

@@ -420,8 +420,8 @@ def capture_graphs(runner: ModelRunner, config: ResolvedConfig) -> tuple[CUDAGra
         if why_not is not None:
             logger.info("no CPU call graphs: %s", why_not)
             return CUDAGraphMode.NONE, CaptureReport()
-    graphs: GraphCapturer = (CpuCallGraphs(compiled.native_sites, _native_replay(compiled)) if cpu
-                             else TorchCUDAGraphs())
+    graphs: GraphCapturer = (CpuCallGraphs(compiled.native_sites, _native_replay(compiled), compiled.allocation_sites)
+                             if cpu else TorchCUDAGraphs())
     dispatcher = CUDAGraphDispatcher(
         requested, list(config.compilation.cudagraph_capture_sizes or []),
         support=runner.attention_backend.cudagraph_support, has_pieces=runner.compiled is not None,

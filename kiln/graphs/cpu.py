@@ -29,6 +29,15 @@ every torch operator but allocations and views (``NotCapturable``): a compiled
 model whose step does any other work at that shape is not captured there, and
 keeps running uncaptured.
 
+The buffers a capture allocates come from one arena every graph of a
+runner shares (``CaptureArena``, the runner's pool), each capture carving
+from its start: CPU graphs are whole decode steps (``kiln.config``'s CPU
+modes), one at a time, and a step's buffers hold nothing the next step
+reads, so the graphs of every size need the memory of the largest, not the
+sum. The demo model's shape in bf16 keeps about 0.46 MB a row of a step's
+intermediates; the sizes 1-8, 16, 32, 48 and 64 (196 rows) had kept about
+90 MB, the shared arena about 30 MB (the largest graph's).
+
 A replay makes its calls from C where it can (``NativeReplay``, the loop
 ``kiln_replay`` of the C linear kernel's library): each recorded function is
 then a C function known by its address (``kiln.native.c_function``) and each
@@ -50,11 +59,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from kiln.native import c_function
 
-__all__ = ["CallGraph", "CpuCallGraphs", "NativeReplay", "NativeSite", "NotCapturable", "ReplayError"]
+__all__ = ["CallGraph", "CaptureArena", "CpuCallGraphs", "NativeReplay", "NativeSite", "NotCapturable", "ReplayError"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +91,76 @@ class CallGraph:
     """The recorded calls of one capture: (function, arguments, the return
     code it gave: an int, else None for "not checked"), in order, and the
     tensors the capture allocated outside them (kept, since a call may hold
-    only their addresses)."""
+    only their addresses; ``nbytes`` of them in all)."""
 
     calls: tuple[tuple[Callable[..., Any], tuple[Any, ...], Any], ...]
     kept: list[torch.Tensor] = field(default_factory=list)
     native: _NativeCalls | None = None  # the calls as ``NativeReplay.prepare`` made them; None: from Python
+    nbytes: int = 0
+
+
+class CaptureArena:
+    """The memory the CPU call graphs of one runner carve their buffers from
+    (the module docstring says why they may share it): a list of chunks,
+    each capture starting at the first and taking the next allocation where
+    it fits, in order, a chunk added where none is left. Graphs that ran
+    within one step (pieces of a step) must not share one: CPU graphs are
+    whole steps only."""
+
+    CHUNK_BYTES = 8 << 20
+    ALIGN = 64  # what torch's CPU allocator gives; the C kernels' vector loads expect no less
+
+    def __init__(self) -> None:
+        self.chunks: list[torch.Tensor] = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.numel() for c in self.chunks)
+
+    def cursor(self) -> _ArenaCursor:
+        return _ArenaCursor(self)
+
+
+class _ArenaCursor:
+    """One capture's place in its arena."""
+
+    def __init__(self, arena: CaptureArena) -> None:
+        self.arena = arena
+        self.chunk = 0
+        self.offset = 0
+        self.taken = 0
+
+    def take(self, fresh: torch.Tensor) -> torch.Tensor:
+        """A tensor of ``fresh``'s dtype, shape and strides in the arena's
+        memory, in its place; ``fresh`` itself where it is not a CPU tensor or
+        holds no bytes."""
+        nbytes = fresh.untyped_storage().nbytes()
+        if nbytes == 0 or fresh.device.type != "cpu":
+            return fresh
+        return self._carve(nbytes, fresh.dtype, fresh.shape, fresh.stride(), fresh.storage_offset())
+
+    def empty_strided(self, size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """What Inductor's ``empty_strided_cpu`` returns, in the arena."""
+        if any(n == 0 for n in size):
+            with _disable_current_modes():
+                return torch.empty_strided(size, stride, dtype=dtype)
+        nbytes = (1 + sum((n - 1) * st for n, st in zip(size, stride))) * dtype.itemsize
+        return self._carve(nbytes, dtype, size, stride, 0)
+
+    def _carve(self, nbytes: int, dtype: torch.dtype, size: Sequence[int], stride: Sequence[int],
+               storage_offset: int) -> torch.Tensor:
+        chunks = self.arena.chunks
+        while self.chunk < len(chunks) and self.offset + nbytes > chunks[self.chunk].numel():
+            self.chunk, self.offset = self.chunk + 1, 0
+        with _disable_current_modes():  # the capture's own mode refuses ``set_``, and would carve the chunk
+            if self.chunk == len(chunks):
+                chunks.append(torch.empty(max(CaptureArena.CHUNK_BYTES, nbytes), dtype=torch.uint8))
+            storage = chunks[self.chunk].untyped_storage()
+            out = torch.empty(0, dtype=dtype).set_(storage, self.offset // dtype.itemsize + storage_offset, size,
+                                                   stride)
+        self.offset += -(-nbytes // CaptureArena.ALIGN) * CaptureArena.ALIGN
+        self.taken += nbytes
+        return out
 
 
 class _OnlyAllocations(TorchDispatchMode):
@@ -102,9 +176,10 @@ class _OnlyAllocations(TorchDispatchMode):
         # against 0.03). A capture never runs under torch.compile.
         return False
 
-    def __init__(self) -> None:
+    def __init__(self, arena: CaptureArena | None = None) -> None:
         super().__init__()
         self.kept: list[torch.Tensor] = []
+        self.cursor = arena.cursor() if arena is not None else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         name = func.name()
@@ -113,6 +188,8 @@ class _OnlyAllocations(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func.is_view:
             _check_aliases(name, args, out)
+        elif self.cursor is not None:  # an allocation: its twin in the arena, the fresh one dropped
+            out = self.cursor.take(out)
         self.kept.extend(t for t in _tensors(out))
         return out
 
@@ -172,6 +249,37 @@ def _recording(sites: Sequence[NativeSite], calls: list[tuple[Callable[..., Any]
                 continue
             saved.append((holder, name, fn))
             _set(holder, name, recorder(fn))
+        yield
+    finally:
+        for holder, name, fn in reversed(saved):
+            _set(holder, name, fn)
+
+
+@contextlib.contextmanager
+def _allocating(sites: Sequence[NativeSite], cursor: _ArenaCursor | None) -> Iterator[None]:
+    """Every allocator site (a function of (size, stride, dtype), as Inductor's
+    ``empty_strided_cpu``) swapped for one that carves from ``cursor``'s arena
+    in this thread, and allocates as before in any other; put back on exit."""
+    if cursor is None:
+        yield
+        return
+    saved: list[tuple[Any, str, Any]] = []
+    thread = threading.get_ident()
+
+    def carver(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def carve(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+            if threading.get_ident() != thread:
+                return fn(size, stride, dtype)
+            return cursor.empty_strided(size, stride, dtype)
+        return carve
+
+    try:
+        for holder, name in sites:
+            fn = _get(holder, name)
+            if fn is None:
+                continue
+            saved.append((holder, name, fn))
+            _set(holder, name, carver(fn))
         yield
     finally:
         for holder, name, fn in reversed(saved):
@@ -263,29 +371,38 @@ class CpuCallGraphs:
 
     captures_live_steps = True
 
-    def __init__(self, sites: Callable[[], Sequence[NativeSite]], native: NativeReplay | None = None) -> None:
+    def __init__(self, sites: Callable[[], Sequence[NativeSite]], native: NativeReplay | None = None,
+                 allocators: Callable[[], Sequence[NativeSite]] = lambda: ()) -> None:
         self.sites = sites
         self.native = native  # makes a graph's calls from C where it can
+        # where a step's code finds an allocator that bypasses torch's dispatcher
+        # (Inductor's ``empty_strided_cpu``), which a capture points at its arena
+        self.allocators = allocators
 
-    def new_pool(self) -> None:
-        return None  # each capture's buffers are its own
+    def new_pool(self) -> CaptureArena:
+        return CaptureArena()
 
-    def capture(self, fn: Callable[[], Any], pool: Any) -> tuple[CallGraph, Any]:
+    def capture(self, fn: Callable[[], Any], pool: CaptureArena | None) -> tuple[CallGraph, Any]:
+        """Run ``fn`` (a whole step) and record it; its buffers from ``pool``
+        (None: its own)."""
         calls: list[tuple[Callable[..., Any], tuple[Any, ...], Any]] = []
-        guard = _OnlyAllocations()
+        guard = _OnlyAllocations(pool)
         t0 = time.perf_counter()
-        with _recording(self.sites(), calls), guard:
+        with _recording(self.sites(), calls), _allocating(self.allocators(), guard.cursor), guard:
             out = fn()
         if not calls:
             raise NotCapturable("the step made no native call through the given sites")
-        graph = CallGraph(tuple(calls), guard.kept)
+        nbytes = guard.cursor.taken if guard.cursor is not None else sum(t.untyped_storage().nbytes() for t in
+                                                                           guard.kept if not t._is_view())
+        graph = CallGraph(tuple(calls), guard.kept, nbytes=nbytes)
         prepared = self.native.prepare(calls) if self.native is not None else "no native loop"
         if isinstance(prepared, str):
             how = f"replayed from Python: {prepared}"
         else:
             graph.native, how = prepared, "replayed from C"
-        logger.info("captured a CPU call graph: %d native calls in %.1f ms, %s", len(calls),
-                    (time.perf_counter() - t0) * 1e3, how)
+        logger.info("captured a CPU call graph: %d native calls in %.1f ms, %s; %.1f MB of buffers%s", len(calls),
+                    (time.perf_counter() - t0) * 1e3, how, nbytes / 1e6,
+                    f", the arena every graph shares {pool.nbytes / 1e6:.1f} MB" if pool is not None else "")
         return graph, out
 
     def replay(self, graph: CallGraph) -> None:

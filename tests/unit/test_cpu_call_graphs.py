@@ -102,6 +102,77 @@ def test_a_replayed_call_that_returns_otherwise_raises() -> None:
         graphs.replay(graph)
 
 
+def _inside(t: torch.Tensor, chunk: torch.Tensor) -> bool:
+    return chunk.data_ptr() <= t.data_ptr() < chunk.data_ptr() + chunk.numel()
+
+
+def test_graphs_share_one_arena_each_capture_from_its_start() -> None:
+    """Whole steps, never two at once: the graphs of two sizes take their
+    buffers from the same memory, and each replay recomputes its own."""
+    kernels = Kernels()
+    graphs = CpuCallGraphs(kernels.sites)
+    pool = graphs.new_pool()
+    x, y = torch.ones(4), torch.arange(8.0)
+    small, small_out = graphs.capture(lambda: step(kernels, x, y), pool)
+    u, v = torch.full((4,), 2.0), torch.arange(8.0) + 1
+    large, large_out = graphs.capture(lambda: step(kernels, u, v), pool)
+    assert len(pool.chunks) == 1 and all(_inside(t, pool.chunks[0]) for t in (small_out, large_out))
+    assert small.kept[0].data_ptr() == large.kept[0].data_ptr()  # each capture's first buffer at the start
+    assert small.nbytes == large.nbytes == 2 * 4 * 4
+    graphs.replay(large)
+    graphs.replay(small)
+    assert torch.equal(small_out, (x + y[:4]) * 3)
+    graphs.replay(large)
+    assert torch.equal(large_out, (u + v[:4]) * 3)
+
+
+def test_a_buffer_larger_than_a_chunk_gets_one_of_its_own() -> None:
+    from kiln.graphs.cpu import CaptureArena
+
+    holder = {"kernel": lambda *args: 0}
+    graphs = CpuCallGraphs(lambda: [(holder, "kernel")])
+    pool = graphs.new_pool()
+    n = CaptureArena.CHUNK_BYTES // 4 + 1  # fp32 elements: one past a chunk
+
+    def two_buffers() -> torch.Tensor:
+        big, small = torch.empty(n), torch.empty(3)
+        holder["kernel"](big, small)
+        return big
+
+    graph, big = graphs.capture(two_buffers, pool)
+    assert [c.numel() for c in pool.chunks] == [4 * n, CaptureArena.CHUNK_BYTES]  # the small one past its end
+    small = next(t for t in graph.kept if t.numel() == 3)
+    assert _inside(big, pool.chunks[0]) and _inside(small, pool.chunks[1])
+    assert big.data_ptr() % CaptureArena.ALIGN == 0 and small.data_ptr() % CaptureArena.ALIGN == 0
+
+
+def test_an_allocator_site_carves_from_the_arena_in_the_capturing_thread_only() -> None:
+    """Inductor's exported code allocates through ``empty_strided_cpu``, which
+    bypasses torch's dispatcher: a capture swaps it for the arena's while it
+    runs, for its own thread."""
+    import threading
+
+    plain = torch._C._dynamo.guards._empty_strided_cpu
+    code = {"empty_strided_cpu": plain, "kernel": lambda *args: 0}
+    graphs = CpuCallGraphs(lambda: [(code, "kernel")], allocators=lambda: [(code, "empty_strided_cpu")])
+    pool = graphs.new_pool()
+    theirs = []
+
+    def step() -> torch.Tensor:
+        out = code["empty_strided_cpu"]((2, 3), (4, 1), torch.bfloat16)  # rows padded to 4 elements
+        other = threading.Thread(target=lambda: theirs.append(code["empty_strided_cpu"]((5,), (1,), torch.float32)))
+        other.start()
+        other.join()
+        code["kernel"](out)
+        return out
+
+    graph, out = graphs.capture(step, pool)
+    assert code["empty_strided_cpu"] is plain
+    assert _inside(out, pool.chunks[0]) and not _inside(theirs[0], pool.chunks[0])
+    assert (out.shape, out.stride(), out.dtype) == ((2, 3), (4, 1), torch.bfloat16)
+    assert graph.nbytes == (4 + 3) * 2
+
+
 def test_a_decode_step_runs_the_next_graph_and_a_dropped_size_the_one_after() -> None:
     d = CUDAGraphDispatcher(CUDAGraphMode.FULL_DECODE_ONLY, [1, 2, 4, 8], support=CUDAGraphSupport.UNIFORM_DECODE,
                             has_pieces=True, max_num_seqs=8)
@@ -176,10 +247,11 @@ def test_a_capture_never_imports_torch_dynamo() -> None:
         holder = {"kernel": lambda *args: 0}
         graphs = CpuCallGraphs(lambda: [(holder, "kernel")])
         x = torch.zeros(4)
+        pool = graphs.new_pool()
         with torch.inference_mode():
-            graphs.capture(lambda: holder["kernel"](x[:2]) or torch.empty(3), None)
+            graphs.capture(lambda: holder["kernel"](x[:2]) or torch.empty(3), pool)
             try:
-                graphs.capture(lambda: holder["kernel"](x) or x.add(1), None)
+                graphs.capture(lambda: holder["kernel"](x) or x.add(1), pool)
             except NotCapturable:
                 pass
             else:
