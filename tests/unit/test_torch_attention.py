@@ -233,11 +233,16 @@ def test_the_c_decode_kernel_splits_long_requests_among_idle_threads(
     assert runs == ((kv_heads, want_runs) if want_runs > 1 else (1, 1))
     kv_cache, common, query, key, value = _step([1] * len(seq_lens), seq_lens, seed=11, kv_heads=kv_heads,
                                                 group=group, head_dim=head_dim, block_size=block_size)
+    _check_on_threads(decode_kernel, threads, dtype, kv_cache, common, query, key, value, window)
+
+
+def _check_on_threads(kernel, threads: int, dtype, kv_cache, common, query, key, value, window: int) -> None:
+    """The kernel's step on ``threads`` threads in ``dtype`` against dense attention."""
     kv_cache, query, key, value = (t.to(dtype) for t in (kv_cache, query, key, value))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # DecodeStep hands the kernel torch's thread count
     try:
-        backend = TorchAttentionBackend().with_decode_kernel(decode_kernel)
+        backend = TorchAttentionBackend().with_decode_kernel(kernel)
         out = torch.full_like(query, float("nan"))
         backend.forward(query, key, value, out, kv_cache, backend.build_metadata(common), 0.3, window)
     finally:
@@ -299,20 +304,7 @@ def test_the_c_decode_kernel_over_requests_of_very_different_lengths(decode_kern
     seq_lens = [90, 75, 40, 17, 2, 1]  # a request an item for 2 and 3 threads; the first ones the longest
     kv_cache, common, query, key, value = _step([1] * len(seq_lens), seq_lens, seed=15, kv_heads=3, group=3,
                                                 head_dim=64, block_size=16)
-    kv_cache, query, key, value = (t.to(dtype) for t in (kv_cache, query, key, value))
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)  # DecodeStep hands the kernel torch's thread count
-    try:
-        backend = TorchAttentionBackend().with_decode_kernel(decode_kernel)
-        out = torch.full_like(query, float("nan"))
-        backend.forward(query, key, value, out, kv_cache, backend.build_metadata(common), 0.3, 0)
-    finally:
-        torch.set_num_threads(before)
-    want = _dense(kv_cache.float(), common, query.float(), 0, 0.3)
-    if dtype == torch.float32:
-        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
-    else:
-        torch.testing.assert_close(out.float(), want.to(torch.bfloat16).float(), atol=1e-2, rtol=2 ** -7)
+    _check_on_threads(decode_kernel, threads, dtype, kv_cache, common, query, key, value, 0)
 
 
 def test_a_decode_step_over_the_same_buffers_reuses_its_kernel_step(decode_kernel, kernel_only) -> None:
