@@ -585,9 +585,10 @@ static inline int64_t item_cost(const int32_t *seq_lens, int64_t window, int64_t
  * share the middle of its cost falls. A share of equal item counts
  * (schedule(static)) left one thread waiting where the lengths differ, as
  * they do in a server's batch, its oldest and longest requests first: 64
- * requests of the 135M shape in bf16, one layer, 40..670 positions in
- * descending order 1946 -> 1309 us, 32 of 600 then 32 of 60 2330 -> 1318 us,
- * 330 each 1236 -> 1238 us (scratch, 2 threads). */
+ * requests of the 135M shape in bf16, one layer: 670 falling to 40 positions
+ * 1844-1953 -> 1340-1383 us, 32 of 600 then 32 of 60 2139-2434 -> 1194-1299
+ * us, 330 each 1162-1224 -> 1108-1127 us (scratch, 2 threads, two rounds
+ * taking turns with the build before). */
 static void thread_share(const int32_t *seq_lens, int64_t window, int64_t bs, int64_t chunks, int64_t parts,
                          int64_t items, int64_t t, int64_t nt, int64_t *first, int64_t *last) {
     int64_t total = 0;
