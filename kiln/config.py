@@ -102,10 +102,11 @@ _CPU_COMPILE_SIZES = (1, 2, 4)
 # in a tile costs next to nothing and a padding request attends to nothing. 56
 # requests of the 135M shape in bf16, padded to 64: 35.0-35.7 ms a decode step
 # against 39.6-39.7 ms without a graph, the same tokens (2 cores of an Intel
-# Xeon, scratch A/B). Each graph keeps its step's intermediates, about 0.46 MB a
-# row for that shape: 74 MB for the graphs of 16, 32, 48 and 64, and a step of
-# more requests than CPU_CAPTURE_LARGEST runs without one (its Python is a
-# smaller part of it). Where a size's step does torch work (fp32 and quantized
+# Xeon, scratch A/B). A graph's step intermediates, about 0.49 MB a row for that
+# shape, come from one arena all the graphs share (kiln.graphs.cpu.CaptureArena):
+# 33.6 MB, the graph of 64's. A step of more requests than CPU_CAPTURE_LARGEST
+# (the CPU default max_num_seqs) runs without one (its Python is a smaller part
+# of it). Where a size's step does torch work (fp32 and quantized
 # linears of more rows go through oneDNN) its capture is refused and the size
 # dropped at its first step.
 CPU_CAPTURE_MAX = 8
