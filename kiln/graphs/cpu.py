@@ -226,36 +226,69 @@ def _set(holder: Any, name: str, value: Any) -> None:
         setattr(holder, name, value)
 
 
+class _Site:
+    """What a site holds while captures use it: the original function, and
+    each capturing thread's stand-in for it (every other thread calls the
+    original)."""
+
+    def __init__(self, original: Callable[..., Any]) -> None:
+        self.original = original
+        self.routes: dict[int, Callable[..., Any]] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        return self.routes.get(threading.get_ident(), self.original)(*args)
+
+
+# The sites captures hold now, by (id(holder), name), and their holders. Engines
+# in one process share the C kernels' sites, and each may capture in its own
+# thread while another does: a site is taken over by the first capture that
+# uses it and given back by the last (swapping each capture's wrapper over the
+# one before would leave a stale wrapper behind when they end out of order).
+_TAKEN: dict[tuple[int, str], tuple[Any, _Site]] = {}
+_TAKEN_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _swapped(sites: Sequence[NativeSite], wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
-    """Every site's function ``fn`` replaced by ``wrap(fn)``; put back on exit."""
-    saved: list[tuple[Any, str, Any]] = []
+    """In this thread, every site's function ``fn`` acts as ``wrap(fn)``
+    until exit; the original is back in the site once no capture uses it."""
+    thread = threading.get_ident()
+    mine: list[tuple[tuple[int, str], _Site]] = []
     try:
-        for holder, name in sites:
-            fn = _get(holder, name)
-            if fn is None:
-                continue
-            saved.append((holder, name, fn))
-            _set(holder, name, wrap(fn))
+        with _TAKEN_LOCK:
+            for holder, name in sites:
+                key = (id(holder), name)
+                if key not in _TAKEN:
+                    fn = _get(holder, name)
+                    if fn is None:
+                        continue
+                    _TAKEN[key] = (holder, _Site(fn))
+                    _set(holder, name, _TAKEN[key][1])
+                site = _TAKEN[key][1]
+                if thread not in site.routes:  # a site listed twice is wrapped once
+                    site.routes[thread] = wrap(site.original)
+                    mine.append((key, site))
         yield
     finally:
-        for holder, name, fn in reversed(saved):
-            _set(holder, name, fn)
+        with _TAKEN_LOCK:
+            for key, site in mine:
+                del site.routes[thread]
+                if not site.routes:
+                    holder, _ = _TAKEN.pop(key)
+                    _set(holder, key[1], site.original)
 
 
 def _recording(sites: Sequence[NativeSite], calls: list[tuple[Callable[..., Any], tuple[Any, ...], Any]],
                ) -> contextlib.AbstractContextManager[None]:
-    """Every site's function swapped for one that also appends the calls this
-    thread makes to ``calls``. The sites are shared (the C linear kernel the
-    op calls is one per process), so another engine's thread may call them
-    meanwhile: its calls are not recorded."""
-    thread = threading.get_ident()
+    """Every site's function, in this thread, also appending its calls to
+    ``calls``. The sites are shared (the C linear kernel the op calls is one
+    per process), so another engine's thread may call them meanwhile: its
+    calls are not recorded."""
 
     def recorder(fn: Callable[..., Any]) -> Callable[..., Any]:
         def record(*args: Any) -> Any:
             result = fn(*args)
-            if threading.get_ident() == thread:
-                calls.append((fn, args, result if isinstance(result, int) else None))
+            calls.append((fn, args, result if isinstance(result, int) else None))
             return result
         return record
 
@@ -264,20 +297,10 @@ def _recording(sites: Sequence[NativeSite], calls: list[tuple[Callable[..., Any]
 
 def _allocating(sites: Sequence[NativeSite], cursor: _ArenaCursor | None) -> contextlib.AbstractContextManager[None]:
     """Every allocator site (a function of (size, stride, dtype), as Inductor's
-    ``empty_strided_cpu``) swapped for one that carves from ``cursor``'s arena
-    in this thread, and allocates as before in any other."""
+    ``empty_strided_cpu``) carving from ``cursor``'s arena in this thread."""
     if cursor is None:
         return contextlib.nullcontext()
-    thread = threading.get_ident()
-
-    def carver(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def carve(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-            if threading.get_ident() != thread:
-                return fn(size, stride, dtype)
-            return cursor.empty_strided(size, stride, dtype)
-        return carve
-
-    return _swapped(sites, carver)
+    return _swapped(sites, lambda fn: cursor.empty_strided)
 
 
 class NativeReplay:

@@ -235,6 +235,47 @@ def test_calls_from_another_thread_are_not_recorded() -> None:
     assert [args for _, args, _ in graph.calls] == [("mine",)]
 
 
+def test_captures_in_two_threads_at_once_each_record_their_own_and_give_the_sites_back() -> None:
+    """Two engines in one process share the C kernels' sites and may capture
+    at the same time, and end in either order: each records its own calls,
+    carves from its own arena, and the sites hold the original functions
+    after both."""
+    import threading
+
+    kernel = lambda tag: 0  # noqa: E731
+    plain = torch._C._dynamo.guards._empty_strided_cpu
+    code = {"kernel": kernel, "empty_strided_cpu": plain}
+    graphs = CpuCallGraphs(lambda: [(code, "kernel")], allocators=lambda: [(code, "empty_strided_cpu")])
+    started, first_done = threading.Barrier(2), threading.Event()
+    results: dict[str, tuple] = {}
+
+    def engine(tag: str, ends_first: bool) -> None:
+        pool = graphs.new_pool()
+
+        def step() -> torch.Tensor:
+            code["kernel"](tag)
+            started.wait()  # both captures under way
+            if not ends_first:
+                first_done.wait()  # the other capture ended meanwhile
+            code["kernel"](tag)
+            return code["empty_strided_cpu"]((4,), (1,), torch.float32)
+
+        graph, out = graphs.capture(step, pool)
+        if ends_first:
+            first_done.set()
+        results[tag] = (graph, out, pool)
+
+    threads = [threading.Thread(target=engine, args=("a", True)), threading.Thread(target=engine, args=("b", False))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert code["kernel"] is kernel and code["empty_strided_cpu"] is plain
+    for tag, (graph, out, pool) in results.items():
+        assert [args for _, args, _ in graph.calls] == [(tag,), (tag,)]
+        assert _inside(out, pool.chunks[0])
+
+
 def test_a_capture_never_imports_torch_dynamo() -> None:
     """torch wraps a dispatch mode's hook so that its first call imports
     torch._dynamo (about 2 s), which a warm start replaying exported code
