@@ -254,9 +254,9 @@ def test_captures_in_two_threads_at_once_each_record_their_own_and_give_the_site
 
         def step() -> torch.Tensor:
             code["kernel"](tag)
-            started.wait()  # both captures under way
+            started.wait(timeout=60)  # both captures under way
             if not ends_first:
-                first_done.wait()  # the other capture ended meanwhile
+                assert first_done.wait(timeout=60)  # the other capture ended meanwhile
             code["kernel"](tag)
             return code["empty_strided_cpu"]((4,), (1,), torch.float32)
 
@@ -269,7 +269,8 @@ def test_captures_in_two_threads_at_once_each_record_their_own_and_give_the_site
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=120)
+    assert set(results) == {"a", "b"}  # both captures ended
     assert code["kernel"] is kernel and code["empty_strided_cpu"] is plain
     for tag, (graph, out, pool) in results.items():
         assert [args for _, args, _ in graph.calls] == [(tag,), (tag,)]
