@@ -579,6 +579,14 @@ static inline int64_t item_cost(const int32_t *seq_lens, int64_t window, int64_t
     return (hi > lo ? hi - lo : 0) + bs;
 }
 
+/* The cost of items [0, items). */
+static int64_t items_cost(const int32_t *seq_lens, int64_t window, int64_t bs, int64_t chunks, int64_t parts,
+                          int64_t items) {
+    int64_t total = 0;
+    for (int64_t i = 0; i < items; ++i) total += item_cost(seq_lens, window, bs, chunks, parts, i);
+    return total;
+}
+
 /* Thread ``t`` of ``nt``: the work items [*first, *last) it takes, a
  * contiguous run of them (its next item's first block can be prefetched) of
  * about a ``nt``-th of the step's cost: an item goes to the thread in whose
@@ -588,11 +596,10 @@ static inline int64_t item_cost(const int32_t *seq_lens, int64_t window, int64_t
  * requests of the 135M shape in bf16, one layer: 670 falling to 40 positions
  * 1844-1953 -> 1340-1383 us, 32 of 600 then 32 of 60 2139-2434 -> 1194-1299
  * us, 330 each 1162-1224 -> 1108-1127 us (scratch, 2 threads, two rounds
- * taking turns with the build before). */
+ * taking turns with the build before). ``total``: items_cost of all
+ * of them, computed once a call. */
 static void thread_share(const int32_t *seq_lens, int64_t window, int64_t bs, int64_t chunks, int64_t parts,
-                         int64_t items, int64_t t, int64_t nt, int64_t *first, int64_t *last) {
-    int64_t total = 0;
-    for (int64_t i = 0; i < items; ++i) total += item_cost(seq_lens, window, bs, chunks, parts, i);
+                         int64_t items, int64_t total, int64_t t, int64_t nt, int64_t *first, int64_t *last) {
     *first = *last = items;
     if (total == 0) return;
     int64_t before = 0;
@@ -631,11 +638,12 @@ static inline __attribute__((always_inline)) int paged_decode(
     /* threads: torch's count, passed in; the caller's OpenMP default is not it
        in a thread torch did not set up (an engine thread of a server) */
     const int64_t n_items = B * chunks * parts;
+    const int64_t total = items_cost(seq_lens, window, bs, chunks, parts, n_items);
     #pragma omp parallel num_threads(threads < 1 ? 1 : threads)
     {
         int64_t first, last;
-        thread_share(seq_lens, window, bs, chunks, parts, n_items, omp_get_thread_num(), omp_get_num_threads(),
-                     &first, &last);
+        thread_share(seq_lens, window, bs, chunks, parts, n_items, total, omp_get_thread_num(),
+                     omp_get_num_threads(), &first, &last);
         for (int64_t item = first; item < last; ++item) {
             const int64_t b = item / (chunks * parts), c = item / parts % chunks, p = item % parts;
             const int64_t kh0 = c * heads_per_item;
@@ -740,7 +748,8 @@ void kiln_decode_share(int64_t B, int64_t H, int64_t KV, int64_t bs, int64_t win
 void kiln_decode_thread_share(const int32_t *seq_lens, int64_t window, int64_t bs, int64_t chunks, int64_t parts,
                               int64_t items, int64_t t, int64_t nt, int64_t *out)
 {
-    thread_share(seq_lens, window, bs, chunks, parts, items, t, nt, &out[0], &out[1]);
+    thread_share(seq_lens, window, bs, chunks, parts, items, items_cost(seq_lens, window, bs, chunks, parts, items),
+                 t, nt, &out[0], &out[1]);
 }
 
 /* Write n tokens' keys and values ([n, KV, D] rows, row strides in elements,

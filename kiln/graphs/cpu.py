@@ -93,7 +93,8 @@ class CallGraph:
     """The recorded calls of one capture: (function, arguments, the return
     code it gave: an int, else None for "not checked"), in order, and the
     tensors the capture allocated outside them (kept, since a call may hold
-    only their addresses; ``nbytes`` of them in all)."""
+    only their addresses); ``nbytes``: what it carved from its arena (0
+    without one)."""
 
     calls: tuple[tuple[Callable[..., Any], tuple[Any, ...], Any], ...]
     kept: list[torch.Tensor] = field(default_factory=list)
@@ -409,17 +410,17 @@ class CpuCallGraphs:
             out = fn()
         if not calls:
             raise NotCapturable("the step made no native call through the given sites")
-        nbytes = guard.cursor.taken if guard.cursor is not None else sum(t.untyped_storage().nbytes() for t in
-                                                                           guard.kept if not t._is_view())
+        nbytes = guard.cursor.taken if guard.cursor is not None else 0
         graph = CallGraph(tuple(calls), guard.kept, nbytes=nbytes)
         prepared = self.native.prepare(calls) if self.native is not None else "no native loop"
         if isinstance(prepared, str):
             how = f"replayed from Python: {prepared}"
         else:
             graph.native, how = prepared, "replayed from C"
-        logger.info("captured a CPU call graph: %d native calls in %.1f ms, %s; %.1f MB of buffers%s", len(calls),
-                    (time.perf_counter() - t0) * 1e3, how, nbytes / 1e6,
-                    f", the arena every graph shares {pool.nbytes / 1e6:.1f} MB" if pool is not None else "")
+        logger.info("captured a CPU call graph: %d native calls in %.1f ms, %s%s", len(calls),
+                    (time.perf_counter() - t0) * 1e3, how,
+                    f"; {nbytes / 1e6:.1f} MB of buffers, the arena every graph shares {pool.nbytes / 1e6:.1f} MB"
+                    if pool is not None else "")
         return graph, out
 
     def replay(self, graph: CallGraph) -> None:
