@@ -111,8 +111,8 @@ def test_dispatch_prefers_exact_size_then_range(llama_checkpoint) -> None:
     rt = Runtime.load(path, optimization_level=2, compile_sizes=[1, 2, 4], cudagraph_mode="NONE")
     backends = list(rt.compiled.model.pieces.values())
     vocab = model.config.vocab_size
-    rid = rt.add_request(random_prompts(1, [9], vocab, seed=4)[0], GREEDY)
-    rt.step()  # prefill of 9 tokens: no exact or few-row runnable for 9
+    rid = rt.add_request(random_prompts(1, [17], vocab, seed=4)[0], GREEDY)
+    rt.step()  # prefill of 17 tokens: no exact or few-row runnable for 17
     assert {b.last_bucket for b in backends} == {"range"}
     rt.step()  # one decode token: the exact size-1 runnable
     assert {b.last_bucket for b in backends} == {1}
@@ -128,8 +128,9 @@ def test_dispatch_prefers_exact_size_then_range(llama_checkpoint) -> None:
         assert backend.select(4)[1] == 4
         assert backend.select(5)[1] == "range"
     else:
-        assert backend.few_rows == (2, 8) and not set(backend.exact) & {2, 4}
-        assert [backend.select(n)[1] for n in (1, 2, 3, 4, 8, 9)] == [1, "few", "few", "few", "few", "range"]
+        # an fp32 model: the kernel's blocked fp32 rows take up to 16 a call
+        assert backend.few_rows == (2, 16) and not set(backend.exact) & {2, 4}
+        assert [backend.select(n)[1] for n in (1, 2, 3, 4, 8, 9, 16, 17)] == [1, *["few"] * 6, "range"]
     with pytest.raises(TokenCountError, match="no compiled runnable covers 100000 tokens"):
         backend.select(100000)
     with pytest.raises(TokenCountError):
@@ -147,14 +148,14 @@ def test_steps_of_two_to_eight_tokens_give_transformers_tokens(compiled_llama) -
     assert last == ({"range"} if CPU_LM_HEADS else {"few"})
 
 
-def test_the_lm_head_is_the_c_kernel_up_to_eight_rows(compiled_llama) -> None:
+def test_the_fp32_lm_head_is_the_c_kernel_up_to_sixteen_rows(compiled_llama) -> None:
     rt, model = compiled_llama
     compiled = rt.compiled.model
     kernel, weight = compiled.linear_kernel, compiled.model.logits_inputs()[0][0]
-    for rows in (1, 5, 8, 9):
+    for rows in (1, 5, 8, 9, 16, 17):
         hidden = torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(rows))
         logits = compiled.compute_logits(hidden)
-        if kernel is not None and rows <= 8:
+        if kernel is not None and rows <= 16:
             assert torch.equal(logits, kernel(hidden, weight, None, None, None, "f32"))
         elif onednn.available(hidden.device):
             assert torch.equal(logits, onednn.implementation(hidden, weight, None))
@@ -191,8 +192,8 @@ def test_user_compile_sizes_reach_the_runtime(llama_checkpoint) -> None:
     assert rt.startup_report["inductor_compiles"] == 3 * 2 + (1 if CPU_LM_HEADS else 0)
     if CPU_LM_HEADS:
         assert all(sorted(b.exact) == [2] for b in rt.compiled.model.pieces.values())
-    else:  # size 2 is served by the few-row runnable, compiled for 2 to 8 tokens
-        assert all(not b.exact and b.few_rows == (2, 8) for b in rt.compiled.model.pieces.values())
+    else:  # size 2 is served by the few-row runnable, compiled for 2 to 16 tokens (an fp32 model)
+        assert all(not b.exact and b.few_rows == (2, 16) for b in rt.compiled.model.pieces.values())
 
 
 def test_compilations_do_not_grow_with_depth(tmp_path) -> None:

@@ -207,6 +207,100 @@ static inline float f32_id(float v) { return v; }
 DENSE_ROW(dense_f32, float, vload, f32_id)
 DENSE_ROW(dense_bf16, uint16_t, load_bf16, bf16_to_f32)
 
+/* ------------------------------------------------------ fp32, 9 to 16 rows
+ * DENSE_ROW loads each activation vector for one multiply-add: rebuilt for 16
+ * rows it was bound by the load ports, and a step's fp32 linears of the 135M
+ * shape took 51-56 ms at 16 rows against 28-30 ms at 8 and oneDNN's 41-48.
+ * Here a pass multiplies a block of 4 weight rows by XB activation rows, each
+ * vector loaded once for 4 (weights) or XB (activations) multiply-adds, and
+ * the block's later passes read its weights from L1. The stream of weights
+ * from memory is asked for ahead, spread over the passes: the block after
+ * this one, a share of it each pass (block_f32). The rows are padded with
+ * zeros to a multiple of XB. The probe of this loop took 33.6-34.9 ms for the
+ * same step's linears at 16 rows (scratch timings, 2 threads of an Intel
+ * Xeon, 2026-12-06). */
+#define KILN_DENSE_MAX_ROWS 16 /* fp32 rows one call takes; the other kinds KILN_MAX_ROWS */
+#if KILN_AVX512
+#define XB 4 /* activation rows a pass: 16 accumulators, 4 weight vectors, of 32 registers */
+#else
+#define XB 2 /* AVX2's 16 registers: 8 accumulators and 4 weight vectors */
+#endif
+#define CACHE_LINE_FLOATS 16
+
+/* The lane sums of 4 vectors, in each 128-bit lane (AVX-512): a transposing
+ * tree of shuffles and adds, with quad_sums below a third of the
+ * instructions of 16 horizontal sums (which at K = 576 were a fifth of a
+ * pass's work). */
+#if KILN_AVX512
+static inline __attribute__((always_inline)) __m512 quad_lanes(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    return _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+/* Lanes 4q .. 4q + 3 of the result: the sums of the four vectors whose
+ * quad_lanes is ``q<q>`` (the 128-bit lanes added: pairs, then halves). */
+static inline __attribute__((always_inline)) __m512 quad_sums(__m512 q0, __m512 q1, __m512 q2, __m512 q3) {
+    const __m512 h0 = _mm512_add_ps(_mm512_shuffle_f32x4(q0, q1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(q0, q1, _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 h1 = _mm512_add_ps(_mm512_shuffle_f32x4(q2, q3, _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(q2, q3, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(h0, h1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(h0, h1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+/* res[r * KILN_DENSE_MAX_ROWS + i]: weight row r of the block at ``w`` (4
+ * rows of k) times activation row i of ``x`` (mp rows, a multiple of XB).
+ * ``next``: the following block's weights, asked for into L1 over the passes
+ * (pass p the p-th share of its 4k floats), or NULL. */
+static inline __attribute__((always_inline)) void block_f32(
+        const float *x, int64_t k, int mp, const float *w, const float *next, float *res) {
+    const int passes = mp / XB;
+    const int64_t kv = k / VW * VW;
+    for (int p = 0; p < passes; p++) {
+        const float *xp = x + (int64_t)p * XB * k;
+        vfloat acc[4][XB];
+        _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++)
+            _Pragma("GCC unroll 4") for (int i = 0; i < XB; i++) acc[r][i] = vzero();
+        /* this pass's share of ``next``: [ask, until), ``per`` lines a step of K */
+        int64_t ask = 4 * k * p / passes;
+        const int64_t until = 4 * k * (p + 1) / passes, steps = kv / VW > 0 ? kv / VW : 1;
+        const int64_t per = ((until - ask) / CACHE_LINE_FLOATS + steps - 1) / steps;
+        for (int64_t c = 0; c < kv; c += VW) {
+            if (next)
+                for (int64_t line = 0; line < per && ask < until; line++, ask += CACHE_LINE_FLOATS)
+                    _mm_prefetch((const char *)(next + ask), _MM_HINT_T0);
+            const vfloat w0 = vload(w + c), w1 = vload(w + k + c), w2 = vload(w + 2 * k + c),
+                         w3 = vload(w + 3 * k + c);
+            _Pragma("GCC unroll 4") for (int i = 0; i < XB; i++) {
+                const vfloat xv = vload(xp + i * k + c);
+                acc[0][i] = vfmadd(w0, xv, acc[0][i]);
+                acc[1][i] = vfmadd(w1, xv, acc[1][i]);
+                acc[2][i] = vfmadd(w2, xv, acc[2][i]);
+                acc[3][i] = vfmadd(w3, xv, acc[3][i]);
+            }
+        }
+        float sums[4 * XB];  /* sums[r * XB + i]: acc[r][i]'s lanes added */
+#if KILN_AVX512
+        _mm512_storeu_ps(sums, quad_sums(quad_lanes(acc[0][0], acc[0][1], acc[0][2], acc[0][3]),
+                                         quad_lanes(acc[1][0], acc[1][1], acc[1][2], acc[1][3]),
+                                         quad_lanes(acc[2][0], acc[2][1], acc[2][2], acc[2][3]),
+                                         quad_lanes(acc[3][0], acc[3][1], acc[3][2], acc[3][3])));
+#else
+        _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++)
+            _Pragma("GCC unroll 4") for (int i = 0; i < XB; i++) sums[r * XB + i] = hsum8(acc[r][i]);
+#endif
+        _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++)
+            _Pragma("GCC unroll 4") for (int i = 0; i < XB; i++) {
+                float s = sums[r * XB + i];
+                for (int64_t t = kv; t < k; t++) s += xp[i * k + t] * w[r * k + t];
+                res[r * KILN_DENSE_MAX_ROWS + p * XB + i] = s;
+            }
+    }
+}
+
 #if KILN_DPBF16
 /* bf16 weights and bf16 activations: 32 products a vector, summed in pairs
  * into 16 fp32 lanes by one instruction (no conversion of either side). The
@@ -677,6 +771,29 @@ static inline __attribute__((always_inline)) void rows_dense(
     }
 }
 
+/* Rows [j0, j1) of an fp32 output of more than KILN_MAX_ROWS activation rows
+ * (``m``; ``x`` holds them padded with zeros to ``mp``, a multiple of XB): 4
+ * weight rows at a time (block_f32), the last 1-3 one at a time by
+ * DENSE_ROW, 8 activation rows a call. */
+static void rows_f32_block(const float *x, int m, int mp, int64_t k, const float *w, int64_t j0, int64_t j1,
+                           const float *bias, float *out, int64_t out_stride) {
+    float res[4 * KILN_DENSE_MAX_ROWS];
+    int64_t j = j0;
+    for (; j + 4 <= j1; j += 4) {
+        block_f32(x, k, mp, w + j * k, j + 8 <= j1 ? w + (j + 4) * k : NULL, res);
+        for (int r = 0; r < 4; r++) {
+            const float b = bias ? bias[j + r] : 0.0f;
+            for (int i = 0; i < m; i++) out[i * out_stride + j + r] = res[r * KILN_DENSE_MAX_ROWS + i] + b;
+        }
+    }
+    for (; j < j1; j++)
+        for (int i0 = 0; i0 < m; i0 += KILN_MAX_ROWS) {
+            const int part = m - i0 < KILN_MAX_ROWS ? m - i0 : KILN_MAX_ROWS;
+            dense_f32(x + i0 * k, k, w + j * k, part, res);
+            for (int i = 0; i < part; i++) out[(i0 + i) * out_stride + j] = res[i] + (bias ? bias[j] : 0.0f);
+        }
+}
+
 /* ``xa``: the prepared activations (prepare_packed): VnniRows where ``vnni``,
  * else fp32 rows. ``scales``: int8's fp32 row scales, else fp16 block scales
  * (with q4's fp16 ``offsets``), converted in the loops where they are used.
@@ -728,7 +845,10 @@ static void rows(int kind, int vnni, const void *xa, const float *xsum, int m, i
 #define PACKED(M) rows_packed(kind, vnni, xa, xsum, M, k, (const int32_t *)w, scales, offsets, j0, j1, \
                               bias, out, out_bf16, out_stride)
     const int dense = kind <= KIND_BF16 || kind == KIND_BF16_DP;
-    if ((KILN_KINDS & 0x3) && dense) { SWITCH_M(m, DENSE) }
+    if (KILN_HAS(KIND_F32) && kind == KIND_F32 && m > KILN_MAX_ROWS)
+        rows_f32_block((const float *)xa, m, (m + XB - 1) / XB * XB, k, (const float *)w, j0, j1,
+                       (const float *)bias, (float *)out, out_stride);
+    else if ((KILN_KINDS & 0x3) && dense) { SWITCH_M(m, DENSE) }
     else if ((KILN_KINDS & 0x1c) && !dense) { SWITCH_M(m, PACKED) }
 #undef DENSE
 #undef PACKED
@@ -812,6 +932,12 @@ static const void *prepare_packed(int kind, int round_x, float *xbuf, int64_t m,
     return xbuf;
 }
 
+/* The most activation rows one call of ``kind`` takes (fp32 out of an fp32
+ * kind: KILN_DENSE_MAX_ROWS, rows_f32_block), for kiln to split its calls by. */
+int kiln_linear_max_rows(int kind, int out_bf16) {
+    return (kind & ~KILN_ROUND_X) == KIND_F32 && !out_bf16 ? KILN_DENSE_MAX_ROWS : KILN_MAX_ROWS;
+}
+
 /* out[M, N] = x[M, K] @ W[N, K]^T + bias. Returns 0, -1 for arguments
  * outside the kernel's limits (the caller checks them first), -2 when a
  * buffer could not be allocated. */
@@ -821,7 +947,8 @@ int kiln_linear(int kind, const void *x, int x_bf16, int64_t x_stride, int64_t m
     const int round_x = (kind & KILN_ROUND_X) != 0;
     kind &= ~KILN_ROUND_X;
     if (round_x && kind < KIND_INT8) return -1;
-    if (m < 1 || m > KILN_MAX_ROWS || k < 1 || k > KILN_MAX_K || n < 1 || kind < KIND_F32 || kind > KIND_Q4)
+    if (m < 1 || m > kiln_linear_max_rows(kind, out_bf16) || k < 1 || k > KILN_MAX_K || n < 1 || kind < KIND_F32 ||
+        kind > KIND_Q4)
         return -1;
     if (!KILN_HAS(kind)) return -1;  /* not built into this library */
     if ((kind == KIND_INT8 || kind == KIND_Q8_0) && k % 32) return -1;
@@ -829,9 +956,10 @@ int kiln_linear(int kind, const void *x, int x_bf16, int64_t x_stride, int64_t m
     /* The activations as the rows take them: contiguous fp32 rows, bf16 rows
      * for the bf16 dot product, or for the packed kinds as prepare_packed
      * makes them, with their 32-element block sums (``sbuf``). */
-    float xf[KILN_MAX_ROWS * 1024], xs[KILN_MAX_ROWS * 32];
+    const int64_t mp = m > KILN_MAX_ROWS ? (m + XB - 1) / XB * XB : m;  /* rows_f32_block's padded rows */
+    float xf[KILN_DENSE_MAX_ROWS * 1024], xs[KILN_MAX_ROWS * 32];
     _Alignas(64) unsigned char scratch[KILN_MAX_ROWS * 4096];
-    float *xbuf = buffer(xf, KILN_MAX_ROWS * 1024, m * k, sizeof(float));
+    float *xbuf = buffer(xf, KILN_DENSE_MAX_ROWS * 1024, mp * k, sizeof(float));
     float *sbuf = buffer(xs, KILN_MAX_ROWS * 32, m * (k / 32 + 1), sizeof(float));
     const void *xa = xbuf;
     void *heap = NULL;
@@ -852,6 +980,7 @@ int kiln_linear(int kind, const void *x, int x_bf16, int64_t x_stride, int64_t m
             for (int64_t t = 0; t < k; t++)
                 xbuf[i * k + t] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[i * x_stride + t])
                                          : ((const float *)x)[i * x_stride + t];
+        memset(xbuf + m * k, 0, sizeof(float) * (size_t)((mp - m) * k));
     }
     if (kind >= KIND_INT8 && kind <= KIND_Q4) {
         xa = prepare_packed(kind, round_x, xbuf, m, k, sbuf, scratch, sizeof scratch, &heap, &vr, &vnni);

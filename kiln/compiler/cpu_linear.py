@@ -51,7 +51,7 @@ __all__ = ["DENSE_KINDS", "FLOAT_DTYPES", "MAX_ROWS", "PACKED_KINDS", "CpuLinear
            "LinearPolicy", "SOURCE", "build", "cpu_linear", "dense_kind", "implementation", "load", "model_kinds"]
 
 SOURCE = NativeSource(Path(__file__).with_name("cpu_linear.c"), "cpu-linear")
-MAX_ROWS = 8  # KILN_MAX_ROWS: activation rows one call takes
+MAX_ROWS = 8  # KILN_MAX_ROWS: activation rows one call takes (fp32: CpuLinearKernel.max_rows)
 MAX_K = 65536  # KILN_MAX_K
 _ROUND_X = 16  # KILN_ROUND_X: or'ed into a packed kind whose activations are rounded (the "-a8" formats)
 _KINDS = {"f32": 0, "bf16": 1, "int8": 2, "q8_0": 3, "q4": 4}  # enum in cpu_linear.c
@@ -128,12 +128,17 @@ class LinearPolicy:
       unpacking Inductor's loop does not match."""
 
     kinds: frozenset[str] = frozenset(_KINDS)  # the kinds the library was built with
+    f32_rows: int = MAX_ROWS  # the most rows of an fp32 linear one call takes (CpuLinearKernel.max_rows)
 
     def takes(self, kind: str, tokens: int) -> bool:
         """Whether a piece of ``tokens`` rows calls the kernel for a linear of ``kind``."""
-        if kind not in self.kinds:
+        if kind not in self.kinds or tokens > self.most_rows(kind):
             return False
         return kind == "bf16" or kind in PACKED_KINDS or tokens >= 2
+
+    def most_rows(self, kind: str) -> int:
+        """The most rows of a ``kind`` linear that one call of the kernel takes."""
+        return self.f32_rows if kind == "f32" else MAX_ROWS
 
 
 class CpuLinearKernel:
@@ -150,7 +155,12 @@ class CpuLinearKernel:
         except AttributeError:  # a library built before kinds were chosen holds every kind
             mask = _mask(frozenset(_KINDS))
         self.kinds = frozenset(k for k, code in _KINDS.items() if mask >> (code & ~_ROUND_X) & 1)
-        self.policy = LinearPolicy(self.kinds)
+        max_rows = _declared(library, "kiln_linear_max_rows", [ctypes.c_int, ctypes.c_int])
+        # the most rows one call takes, by kind (fp32 out): a library built before
+        # fp32's blocked rows (rows_f32_block) takes MAX_ROWS of every kind
+        self.max_rows: dict[str, int] = {k: max_rows(code, 0) if max_rows is not None else MAX_ROWS
+                                         for k, code in _KINDS.items() if k in self.kinds}
+        self.policy = LinearPolicy(self.kinds, self.max_rows.get("f32", MAX_ROWS))
         # the "-a8" kinds: products of the packed integers and the int8-rounded
         # activations summed as integers (AVX512-VNNI), else of the same values in fp32
         self.vnni: bool = bool(library.kiln_linear_vnni())
@@ -275,7 +285,7 @@ class CpuLinearKernel:
         and offsets (``int8``, ``q8_0``, ``q4``: ``kiln.models.quant``).
 
         Written for its per-call cost, which a decode step pays 120 times: when
-        ``x`` is up to ``MAX_ROWS`` contiguous rows (every call of a few-token
+        ``x`` is up to ``max_rows[kind]`` contiguous rows (every call of a few-token
         piece), one allocation and one ctypes call, with no other tensor made
         (6.5 -> 5.6-6.0 us a call of a [1, 64] by [64, 64] bf16 linear, 1 thread,
         scratch timing: the ctypes call itself is 2.5 us, the allocation 1.4).
@@ -288,7 +298,8 @@ class CpuLinearKernel:
         bf16 = x.dtype == torch.bfloat16
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
-        if x.dim() == 2 and x.stride(1) == 1 and 0 < x.shape[0] <= MAX_ROWS:
+        most = MAX_ROWS if bf16 else self.max_rows[kind]
+        if x.dim() == 2 and x.stride(1) == 1 and 0 < x.shape[0] <= most:
             m, k = x.shape
             out = _empty((m, n), (n, 1), x.dtype)
             if self._linear is not None:
@@ -306,8 +317,8 @@ class CpuLinearKernel:
         m = rows.shape[0]
         out = rows.new_empty((m, n))
         code, threads, w = _KINDS[kind], torch.get_num_threads(), weight.data_ptr()
-        for start in range(0, m, MAX_ROWS):
-            part = rows[start:start + MAX_ROWS]
+        for start in range(0, m, most):
+            part = rows[start:start + most]
             dst = out.data_ptr() + start * n * out.element_size()
             rc = self._fn(code, part.data_ptr(), bf16, part.stride(0), part.shape[0], w, sp, op, n, k, bp, dst, bf16,
                           n, threads)

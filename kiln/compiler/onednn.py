@@ -22,7 +22,7 @@ that run more than a few tokens (the range piece and exact sizes above
 their packed (quantized) linears, on the dequantized weight as it is
 (``kiln.compiler.gemv.lower_quantized``), and so does
 a dense fp32 or bf16 LM head of more rows than the C linear kernel takes
-(``cpu_linear.MAX_ROWS``; more than ``CPU_GEMV_MAX_TOKENS`` without it).
+(``CpuLinearKernel.max_rows``; more than ``CPU_GEMV_MAX_TOKENS`` without it).
 Left to Inductor, a bf16 linear is an ``mm`` on the weight as it is, which
 oneDNN repacks for AMX on every call: the 135M shape's 30 layers of linears
 at 64 rows took 38-40 ms that way against 25 ms on reordered weights, and

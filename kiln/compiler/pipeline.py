@@ -179,8 +179,9 @@ class CompiledModel:
                    if isinstance(m, nn.Linear) and m.weight.dtype in onednn.REWRITE_DTYPES]
         tensors, fmt = self.model.logits_inputs()
         kernel = self.linear_kernel
-        few = (cpu_linear.MAX_ROWS if kernel is not None and dense_kind(tensors[0].dtype, tensors[0].dtype)
-               in kernel.kinds else CPU_GEMV_MAX_TOKENS)  # the rows that never reach oneDNN (_native_head)
+        kind = dense_kind(tensors[0].dtype, tensors[0].dtype)
+        few = (kernel.max_rows[kind] if kernel is not None and kind in kernel.kinds
+               else CPU_GEMV_MAX_TOKENS)  # the rows that never reach oneDNN (_native_head)
         if fmt is None and max_rows > few:
             weights.append(tensors[0])
         nbytes, self.reordering = onednn.prepack(weights, background=True, kernel=kernel)
@@ -212,7 +213,7 @@ class CompiledModel:
 
     def _native_head(self, hidden: torch.Tensor, tensors: list[torch.Tensor], fmt: QuantFormat | None,
                      ) -> torch.Tensor | None:
-        """The logits by the C kernel, for up to ``cpu_linear.MAX_ROWS`` rows
+        """The logits by the C kernel, for up to ``kernel.max_rows`` rows
         (a dense head: one call; at 5-8 rows 6-11% faster than oneDNN on the
         reordered 49152 x 576 head, scratch timing), up to
         ``WIDENED_HEAD_MAX_ROWS`` of a dtype oneDNN would widen, or any number
@@ -227,8 +228,10 @@ class CompiledModel:
                 return kernel(hidden, words, scales, offsets[0] if offsets else None, None, fmt.name)
             return None
         kind = dense_kind(hidden.dtype, tensors[0].dtype)
-        most = WIDENED_HEAD_MAX_ROWS if hidden.dtype in onednn.WIDENED else cpu_linear.MAX_ROWS
-        if kind not in kernel.kinds or hidden.shape[0] > most:
+        if kind not in kernel.kinds:
+            return None
+        most = WIDENED_HEAD_MAX_ROWS if hidden.dtype in onednn.WIDENED else kernel.max_rows[kind]
+        if hidden.shape[0] > most:
             return None
         return kernel(hidden, tensors[0], None, None, None, kind)
 
@@ -278,10 +281,10 @@ def _piece_jobs(
     pieces call it where it says.
 
     Where the kernel takes every linear of every piece from 2 to
-    ``cpu_linear.MAX_ROWS`` rows (one call each), the exact sizes in that span
-    are compiled once, for the whole span: one dynamic compilation per piece
-    instead of one per size, and the counts between them (3, 5-8) call the
-    kernel too instead of oneDNN. For the 135M shape a piece's dynamic compile
+    ``cpu_linear.MAX_ROWS`` rows (16 where they are all fp32; one call each),
+    the exact sizes in that span are compiled once, for the whole span: one
+    dynamic compilation per piece instead of one per size, and the counts
+    between them (3, 5-8 or 5-16) call the kernel too instead of oneDNN. For the 135M shape a piece's dynamic compile
     took 1.2x one exact size's (scratch timing: 2.7, 4.3, 1.4 s against 2.2,
     3.6, 1.2 s), so -O2's sizes 2 and 4 cost 0.6x what they did."""
     index_of = {sig: i for i, sig in enumerate(unique)}
@@ -321,14 +324,18 @@ def _traced_inputs(gm: fx.GraphModule) -> list[Any]:
 def _few_rows(unique: dict[str, tuple[Piece, BucketedPiece]], sizes: list[int], device: torch.device,
               policy: LinearPolicy | None) -> tuple[int, int] | None:
     """The span of token counts one dynamic compilation serves (``_piece_jobs``):
-    ``(2, cpu_linear.MAX_ROWS)`` when an exact size falls in it and the C
-    kernel takes every linear there, else None."""
-    low, high = 2, cpu_linear.MAX_ROWS
-    if device.type != "cpu" or policy is None or not any(low <= n <= high for n in sizes):
+    ``(2, high)`` when an exact size falls in it and the C kernel takes every
+    linear there, else None. ``high``: the fp32 kernel's rows
+    (``LinearPolicy.f32_rows``) where every linear is fp32, else
+    ``cpu_linear.MAX_ROWS``."""
+    if device.type != "cpu" or policy is None:
         return None
+    low = 2
     graphs = [piece.graph_module for piece, _ in unique.values()]
-    if all(kernel_takes_all(gm, n, policy) for gm in graphs for n in (low, high)):
-        return low, high
+    for high in sorted({policy.f32_rows, cpu_linear.MAX_ROWS}, reverse=True):
+        if (any(low <= n <= high for n in sizes)
+                and all(kernel_takes_all(gm, n, policy) for gm in graphs for n in (low, high))):
+            return low, high
     return None
 
 

@@ -68,13 +68,46 @@ def _blocks(w: torch.Tensor, bits: int) -> QuantizedTensor:
     return QuantizedTensor(q.view(n, k), d.view(n, -1), lo.view(n, -1), 4, "q4_1")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11])  # 11: two calls of the kernel's 8 rows
+# 9-16: one call of the blocked fp32 rows (rows_f32_block), padded to a multiple of the
+# rows a pass takes; 17 and 35: calls of 16 rows and a rest
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 11, 12, 13, 16, 17, 35])
 @pytest.mark.parametrize("k", [64, 100, 8])  # 100: a tail past the vectors of 16 and 8
 def test_fp32_equals_linear(kernel, rows: int, k: int) -> None:
     torch.manual_seed(rows * 100 + k)
     x, w, b = torch.randn(rows, k), torch.randn(37, k), torch.randn(37)
     torch.testing.assert_close(kernel(x, w, None, None, b, "f32"), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kernel(x, w, None, None, None, "f32"), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_fp32_takes_16_rows_a_call_and_the_other_kinds_8(kernel) -> None:
+    assert kernel.max_rows["f32"] == 16 and kernel.policy.f32_rows == 16
+    assert {kind: most for kind, most in kernel.max_rows.items() if kind != "f32"} == dict.fromkeys(
+        set(kernel.max_rows) - {"f32"}, cpu_linear.MAX_ROWS)
+    assert kernel.policy.takes("f32", 16) and not kernel.policy.takes("f32", 17)
+    assert kernel.policy.takes("bf16", 8) and not kernel.policy.takes("bf16", 9)
+    assert not kernel.policy.takes("q8_0", 9)
+    # bf16 out of the fp32 kind: 8 rows (the blocked rows write fp32 only)
+    x, w, out = torch.randn(9, 64), torch.randn(8, 64), torch.empty(9, 8, dtype=torch.bfloat16)
+    assert kernel._fn(0, x.data_ptr(), 0, 64, 9, w.data_ptr(), None, None, 8, 64, None, out.data_ptr(), 1, 8,
+                      1) == -1
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("n", [3, 4, 8, 37, 133])  # fewer rows than a block, a block, one block ahead, tails
+def test_fp32_blocked_rows_over_threads_and_strides(kernel, threads: int, n: int) -> None:
+    """The blocked fp32 rows against torch for every split of the output rows
+    among threads (each thread's share a multiple of 4, its last block asking
+    for none ahead), strided activations and a K of a wide model's MLP."""
+    torch.manual_seed(threads * 1000 + n)
+    w, b = torch.randn(n, 1552), torch.randn(n)
+    x = torch.randn(14, 1600)[:, 7:1559]  # rows 1600 apart
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernel(x, w, None, None, b, "f32")
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, F.linear(x, w, b), atol=2e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 8])
@@ -222,6 +255,26 @@ def test_kernel_takes_all_says_whether_any_linear_stays_a_reduction() -> None:
     assert kernel_takes_all(graph, 2, cpu_linear.LinearPolicy())
     assert not kernel_takes_all(graph, 1, cpu_linear.LinearPolicy())  # fp32 at one token: a reduction
     assert not kernel_takes_all(graph, 2, cpu_linear.LinearPolicy(frozenset({"f32"})))
+
+
+def test_the_few_row_span_is_sixteen_rows_only_where_every_linear_is_fp32() -> None:
+    """One dynamic compilation serves 2 to 16 tokens where the kernel's blocked
+    fp32 rows take every linear; a packed or bf16 linear keeps it at 8."""
+    from types import SimpleNamespace
+
+    from kiln.compiler.pipeline import _few_rows
+
+    def span(graph: fx.GraphModule, sizes: list[int], f32_rows: int = 16) -> tuple[int, int] | None:
+        policy = cpu_linear.LinearPolicy(frozenset(cpu_linear._KINDS), f32_rows)
+        return _few_rows({"p": (SimpleNamespace(graph_module=graph), None)}, sizes, torch.device("cpu"), policy)
+
+    assert span(_graph(torch.float32, 2, False), [1, 2, 4]) == (2, 16)
+    assert span(_graph(torch.float32, 2, False), [1, 12]) == (2, 16)
+    assert span(_graph(torch.float32, 2, False), [1, 2], f32_rows=8) == (2, 8)  # a library before the blocked rows
+    assert span(_graph(torch.float32, 2, True), [1, 2, 4]) == (2, 8)  # the packed linear: 8 rows a call
+    assert span(_graph(torch.bfloat16, 2, False), [1, 2, 4]) == (2, 8)
+    assert span(_graph(torch.float32, 2, True), [1, 12]) is None  # no size in the packed model's span
+    assert span(_graph(torch.float32, 2, False), [1]) is None
 
 
 def _model(dtype: torch.dtype, packed: str | None, head_dtype: torch.dtype) -> torch.nn.Module:
