@@ -794,6 +794,7 @@ def render_many_rows(report: dict[str, Any]) -> str:
 # --------------------------------------------------------------------- step linears
 
 PREFILL_ROWS = 512  # the rows of a prefill chunk: prompt tokens are timed at this many a call
+FEW_STEP_ROWS = (8, 9, 12, 16)  # where the C kernel's fp32 rows meet oneDNN's
 # what bench.decode --throughput 64 runs with its defaults (--prompt-len 128, --max-tokens 128, mixed lengths)
 STEP_LINEAR_WORKLOAD = {"requests": 64, "prompt_len": 128, "max_tokens": 128}
 
@@ -813,9 +814,13 @@ def _throughput_schedule(requests: int, prompt_len: int, max_tokens: int) -> tup
 
 
 def measure_step_linears(dtype: torch.dtype, rows_list: Sequence[int], repeats: int,
-                         batch_seconds: float) -> dict[str, Any]:
-    """Milliseconds for a step's layer linears and its LM head at each row count."""
+                         batch_seconds: float, kernel: Any = None) -> dict[str, Any]:
+    """Milliseconds for a step's layer linears and its LM head at each row
+    count; with ``kernel`` (a ``CpuLinearKernel``), also the whole step's by
+    it where one call takes the rows (fp32: ``max_rows``), as few-row pieces
+    run them."""
     from kiln.compiler import onednn
+    from kiln.compiler.cpu_linear import dense_kind
 
     gen = torch.Generator().manual_seed(0)
     shapes = [MANY_ROWS_WEIGHTS[name] for name in ("qkv", "o_proj", "gate_up", "down")]
@@ -840,6 +845,16 @@ def measure_step_linears(dtype: torch.dtype, rows_list: Sequence[int], repeats: 
                                               min_batch_seconds=batch_seconds)}
             flops = {"layers": 2 * rows * sum(math.prod(s) for s in shapes) * len(layers),
                      "lm_head": 2 * rows * head.numel()}
+            kind = dense_kind(dtype, dtype)
+            if kernel is not None and kind in kernel.kinds and rows <= kernel.max_rows[kind]:
+                def kernel_step(xs: list[torch.Tensor] = xs, xh: torch.Tensor = xh, kind: str = kind) -> None:
+                    for layer in layers:
+                        for x, w in zip(xs, layer):
+                            kernel(x, w, None, None, None, kind)
+                    kernel(xh, head, None, None, None, kind)
+
+                timed["c_kernel_step"] = time_per_call(kernel_step, repeats=repeats, min_batch_seconds=batch_seconds)
+                flops["c_kernel_step"] = flops["layers"] + flops["lm_head"]
             for part, t in timed.items():
                 t["gflop_per_s"] = flops[part] / (t["median_ms"] / 1e3) / 1e9
             out[str(rows)] = timed
@@ -861,24 +876,35 @@ def _throughput_bound(timings: dict[str, Any], prompt_tokens: int, steps: dict[i
 
 
 def step_linears_report(args: argparse.Namespace) -> dict[str, Any]:
-    from kiln.compiler import onednn
+    import tempfile
+
+    from kiln.compiler import cpu_linear, onednn
 
     record = RunRecord("step-linears", "cpu")
     work = STEP_LINEAR_WORKLOAD
     prompt_tokens, steps = _throughput_schedule(work["requests"], work["prompt_len"], work["max_tokens"])
     output_tokens = work["requests"] + sum(rows * n for rows, n in steps.items())
-    # the decode steps' batch sizes (the requests among them: the LM head of the prefill), then a prefill chunk
-    rows_list = sorted(steps) + [PREFILL_ROWS]
+    # the C kernel's few rows (8, the other kinds' limit; 9 and 12, between it and fp32's 16), the decode
+    # steps' batch sizes (the requests among them: the LM head of the prefill), then a prefill chunk
+    rows_list = sorted({*FEW_STEP_ROWS, *steps}) + [PREFILL_ROWS]
     if args.smoke:
         rows_list = rows_list[:1]
     dtypes = [d for d in (torch.float32, torch.bfloat16) if d in onednn.DTYPES]
     if args.smoke:
         dtypes = dtypes[:1]
     results = []
-    for dtype in dtypes:
-        timings = measure_step_linears(dtype, rows_list, min(args.repeats, 7), 0.02 if args.smoke else 0.3)
-        results.append({"dtype": str(dtype).removeprefix("torch."), "timings": timings,
-                        "bound": _throughput_bound(timings, prompt_tokens, steps, work["requests"], output_tokens)})
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-kernel-") as tmp:
+        try:
+            kernel = cpu_linear.CpuLinearKernel(Path(tmp) / cpu_linear.SOURCE.build(Path(tmp)))
+        except cpu_linear.KernelBuildError as e:  # a CPU without AVX2, or no compiler: oneDNN alone
+            print(f"step-linears: no C kernel ({e})", file=sys.stderr)
+            kernel = None
+        for dtype in dtypes:
+            timings = measure_step_linears(dtype, rows_list, min(args.repeats, 7), 0.02 if args.smoke else 0.3,
+                                           kernel)
+            results.append({"dtype": str(dtype).removeprefix("torch."), "timings": timings,
+                            "bound": _throughput_bound(timings, prompt_tokens, steps, work["requests"],
+                                                       output_tokens)})
     return {
         **record.head(),
         "settings": {
@@ -887,6 +913,8 @@ def step_linears_report(args: argparse.Namespace) -> dict[str, Any]:
             "layers": SMOLLM2["num_hidden_layers"],
             "weights": {name: list(MANY_ROWS_WEIGHTS[name]) for name in ("qkv", "o_proj", "gate_up", "down", "lm_head")},
             "call": "kiln.compiler.onednn.implementation(x, W, None), every W reordered by prepack first",
+            "c_kernel_step": "every layer linear and the LM head by kiln/compiler/cpu_linear.c, one call each, "
+                             "where one call takes the rows (CpuLinearKernel.max_rows)",
             "statistic": "median over batches of the per-call time (at most 7 batches)",
             "workload": {**work, "lengths": "mixed, as bench.decode --throughput", "prompt_tokens": prompt_tokens,
                          "output_tokens": output_tokens,
@@ -902,11 +930,15 @@ def render_step_linears(report: dict[str, Any]) -> str:
     rows = []
     for r in report["results"]:
         for n, t in r["timings"].items():
+            kernel = t.get("c_kernel_step")
             rows.append([r["dtype"], n, fmt(t["layers"]["median_ms"], 1), fmt(t["layers"]["gflop_per_s"], 0),
-                         fmt(t["lm_head"]["median_ms"], 2), fmt(t["lm_head"]["gflop_per_s"], 0)])
-    lines = [f"a step's linears by oneDNN on reordered weights, CPU, {report['settings']['threads']} threads "
-             f"(30 layers of the 135M shape + LM head)", "",
-             format_table(["dtype", "rows", "layers ms", "layers GFLOP/s", "lm_head ms", "lm_head GFLOP/s"], rows)]
+                         fmt(t["lm_head"]["median_ms"], 2), fmt(t["lm_head"]["gflop_per_s"], 0),
+                         fmt(t["layers"]["median_ms"] + t["lm_head"]["median_ms"], 1),
+                         fmt(kernel["median_ms"], 1) if kernel else "-"])
+    lines = [f"a step's linears by oneDNN on reordered weights, and by the C kernel where one call takes the rows, "
+             f"CPU, {report['settings']['threads']} threads (30 layers of the 135M shape + LM head)", "",
+             format_table(["dtype", "rows", "layers ms", "layers GFLOP/s", "lm_head ms", "lm_head GFLOP/s",
+                           "oneDNN step ms", "C kernel step ms"], rows)]
     work = report["settings"]["workload"]
     for r in report["results"]:
         b = r["bound"]
