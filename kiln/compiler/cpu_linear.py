@@ -129,12 +129,23 @@ class LinearPolicy:
 
     kinds: frozenset[str] = frozenset(_KINDS)  # the kinds the library was built with
     f32_rows: int = MAX_ROWS  # the most rows of an fp32 linear one call takes (CpuLinearKernel.max_rows)
+    # bf16 linears on the AMX tiles (CpuLinearKernel.amx) at every row count, through
+    # kiln::onednn_linear: a step's bf16 linears of the 135M shape took 7.4, 7.9 and
+    # 7.6 ms there at 2, 4 and 8 rows against this kernel's 8.9, 9.4 and 16.5, and 7.1
+    # both at one row (2 threads of an Intel Xeon, 2026-12-07; bench/results/
+    # step-linears-cpu-*.json has 8 rows). One path for every count also gives a row
+    # the same bits of its linears whatever its batch.
+    tiles: bool = False
 
     def takes(self, kind: str, tokens: int) -> bool:
         """Whether a piece of ``tokens`` rows calls the kernel for a linear of ``kind``."""
-        if kind not in self.kinds or tokens > self.most_rows(kind):
+        if kind not in self.kinds or tokens > self.most_rows(kind) or self.to_tiles(kind):
             return False
         return kind == "bf16" or kind in PACKED_KINDS or tokens >= 2
+
+    def to_tiles(self, kind: str | None) -> bool:
+        """Whether a dense linear of ``kind`` goes to the AMX tiles instead, at any row count."""
+        return self.tiles and kind == "bf16"
 
     def most_rows(self, kind: str) -> int:
         """The most rows of a ``kind`` linear that one call of the kernel takes."""
@@ -160,7 +171,6 @@ class CpuLinearKernel:
         # fp32's blocked rows (rows_f32_block) takes MAX_ROWS of every kind
         self.max_rows: dict[str, int] = {k: max_rows(code, 0) if max_rows is not None else MAX_ROWS
                                          for k, code in _KINDS.items() if k in self.kinds}
-        self.policy = LinearPolicy(self.kinds, self.max_rows.get("f32", MAX_ROWS))
         # the "-a8" kinds: products of the packed integers and the int8-rounded
         # activations summed as integers (AVX512-VNNI), else of the same values in fp32
         self.vnni: bool = bool(library.kiln_linear_vnni())
@@ -178,6 +188,7 @@ class CpuLinearKernel:
         # the library was built for a CPU with them and Linux grants them to
         # this process (False in a library built before it was there)
         self.amx: bool = hasattr(library, "kiln_amx") and library.kiln_amx() == 1
+        self.policy = LinearPolicy(self.kinds, self.max_rows.get("f32", MAX_ROWS), tiles=self.amx)
         self._amx_pack: Any = _declared(library, "kiln_amx_pack", [p, i64, i64, p, i32]) if self.amx else None
         self._amx_linear: Any = (_declared(library, "kiln_amx_linear", [p, i64, i64, i64, p, i64, p, p, i64, i32])
                                  if self.amx else None)

@@ -52,13 +52,18 @@ def decompose_linears(gm: fx.GraphModule, tokens: int, policy: LinearPolicy | No
     for few-token CPU pieces, and how many were rewritten. ``policy``: the C
     kernel's, when it is there: linears become its calls
     (``kiln::cpu_linear``) where it takes their kind at that count
-    (``LinearPolicy.takes``), the rest as below;
+    (``LinearPolicy.takes``), bf16 ones calls of ``kiln::onednn_linear``
+    where it sends them to the AMX tiles (``LinearPolicy.to_tiles``), the rest
+    as below;
     otherwise ``linear(x, w, b)`` as ``(x.unsqueeze(-2) * w).sum(-1) + b`` and
     packed linears as their unpacking reduction. ``gm`` itself is left as it
     is. The rewrite uses plain torch calls and ops, not a helper function, so
     that Inductor's caches can still serialise the piece."""
+    tiled = 0
+    if policy is not None and policy.to_tiles("bf16"):
+        gm, tiled = onednn.rewrite_linears(gm, frozenset({torch.bfloat16}))
     graph = copy.deepcopy(gm.graph)  # node by node; metadata is shared, not copied
-    rewritten = _native_linears(graph, tokens, policy) if policy is not None else 0
+    rewritten = tiled + (_native_linears(graph, tokens, policy) if policy is not None else 0)
     rewritten += _lower_quantized_nodes(graph, as_reduction=True)
     for node in list(graph.nodes):
         if not _is_dense_linear(node):
@@ -79,10 +84,12 @@ def decompose_linears(gm: fx.GraphModule, tokens: int, policy: LinearPolicy | No
 
 def kernel_takes_all(gm: fx.GraphModule, tokens: int, policy: LinearPolicy) -> bool:
     """Whether ``decompose_linears(gm, tokens, policy)`` makes every linear of
-    ``gm`` (dense or packed) a call of the C kernel, leaving no reduction
-    form, whose loops are written for one exact size."""
+    ``gm`` (dense or packed) a call of the C kernel or of the AMX tiles,
+    leaving no reduction form, whose loops are written for one exact size."""
     linears = [n for n in gm.graph.nodes if _is_dense_linear(n) or _is_packed_linear(n)]
-    return all(_native_args(n, tokens, policy) is not None for n in linears)
+    tiled = policy.to_tiles("bf16")
+    return all(_native_args(n, tokens, policy) is not None
+               or (tiled and onednn.qualifies(n, frozenset({torch.bfloat16}))) for n in linears)
 
 
 def _is_dense_linear(node: fx.Node) -> bool:

@@ -94,7 +94,7 @@ from kiln.compiler.cpu_linear import CpuLinearKernel
 from kiln.models.memory import lowest_priority
 
 __all__ = ["AMX_MAX_ROWS", "AmxWeight", "DTYPES", "REWRITE_DTYPES", "WIDENED", "available", "implementation",
-           "onednn_linear", "packed", "packed_bytes", "prepack", "rewrite_linears", "takes"]
+           "onednn_linear", "packed", "packed_bytes", "prepack", "qualifies", "rewrite_linears", "takes"]
 
 
 def available(device: torch.device) -> bool:
@@ -272,30 +272,35 @@ def _example(node: Any) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
-def _qualifies(node: fx.Node) -> bool:
+def qualifies(node: fx.Node, dtypes: frozenset[torch.dtype] = REWRITE_DTYPES) -> bool:
+    """Whether ``rewrite_linears`` makes ``node`` a call of the op: a dense
+    linear of a parameter whose recorded input is of ``dtypes`` (within
+    ``REWRITE_DTYPES``), which the op takes."""
     if not _is_dense_linear(node):
         return False
     x, weight = node.args[:2]
     if not isinstance(weight, fx.Node) or weight.op != "placeholder":  # a parameter, kept reordered
         return False
     x, weight = _example(x), _example(weight)
-    return x is not None and weight is not None and takes(x, weight) and x.dtype in REWRITE_DTYPES
+    return (x is not None and weight is not None and takes(x, weight) and x.dtype in REWRITE_DTYPES
+            and x.dtype in dtypes)
 
 
-def rewrite_linears(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
+def rewrite_linears(gm: fx.GraphModule, dtypes: frozenset[torch.dtype] = REWRITE_DTYPES,
+                    ) -> tuple[fx.GraphModule, int]:
     """A copy of ``gm`` whose fp32 (and ``WIDENED``) CPU linears call
     ``kiln::onednn_linear``, and how many were rewritten (``gm`` itself when
-    none is). A linear qualifies when its weight is an input of the graph (a
-    parameter, which lives as long as the model) and the trace recorded its
-    input and weight as tensors of ``REWRITE_DTYPES`` the op takes
-    (``takes``); packed linears lowered to ``dequantize`` + ``linear`` keep
-    ``linear``."""
-    if not any(_qualifies(node) for node in gm.graph.nodes):
+    none is). A linear qualifies (``qualifies``) when its weight is an input
+    of the graph (a parameter, which lives as long as the model) and the
+    trace recorded its input and weight as tensors of ``REWRITE_DTYPES`` (of
+    those, ``dtypes``) the op takes (``takes``); packed linears lowered to
+    ``dequantize`` + ``linear`` keep ``linear``."""
+    if not any(qualifies(node, dtypes) for node in gm.graph.nodes):
         return gm, 0
     graph = copy.deepcopy(gm.graph)  # node by node; metadata is shared, not copied
     rewritten = 0
     for node in list(graph.nodes):
-        if not _qualifies(node):
+        if not qualifies(node, dtypes):
             continue
         x, weight = node.args[:2]
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")

@@ -182,6 +182,8 @@ class CompiledModel:
         kind = dense_kind(tensors[0].dtype, tensors[0].dtype)
         few = (kernel.max_rows[kind] if kernel is not None and kind in kernel.kinds
                else CPU_GEMV_MAX_TOKENS)  # the rows that never reach oneDNN (_native_head)
+        if kernel is not None and kernel.policy.to_tiles(kind):
+            few = 0  # a bf16 head on the AMX tiles, which need its copy
         if fmt is None and max_rows > few:
             weights.append(tensors[0])
         nbytes, self.reordering = onednn.prepack(weights, background=True, kernel=kernel)
@@ -217,8 +219,9 @@ class CompiledModel:
         (a dense head: one call; at 5-8 rows 6-11% faster than oneDNN on the
         reordered 49152 x 576 head, scratch timing), up to
         ``WIDENED_HEAD_MAX_ROWS`` of a dtype oneDNN would widen, or any number
-        of them (a packed head, which ``linear`` would dequantize whole); None
-        where it does not apply."""
+        of them (a packed head, which ``linear`` would dequantize whole); a
+        bf16 head on its AMX tiles where the kernel sends bf16 there
+        (``LinearPolicy.to_tiles``); None where none applies."""
         kernel = self.linear_kernel
         if kernel is None or hidden.device.type != "cpu":
             return None
@@ -230,6 +233,8 @@ class CompiledModel:
         kind = dense_kind(hidden.dtype, tensors[0].dtype)
         if kind not in kernel.kinds:
             return None
+        if kernel.policy.to_tiles(kind) and onednn.takes(hidden, tensors[0]):
+            return onednn.implementation(hidden, tensors[0], None)
         most = WIDENED_HEAD_MAX_ROWS if hidden.dtype in onednn.WIDENED else kernel.max_rows[kind]
         if hidden.shape[0] > most:
             return None

@@ -84,7 +84,7 @@ def test_fp32_takes_16_rows_a_call_and_the_other_kinds_8(kernel) -> None:
     assert {kind: most for kind, most in kernel.max_rows.items() if kind != "f32"} == dict.fromkeys(
         set(kernel.max_rows) - {"f32"}, cpu_linear.MAX_ROWS)
     assert kernel.policy.takes("f32", 16) and not kernel.policy.takes("f32", 17)
-    assert kernel.policy.takes("bf16", 8) and not kernel.policy.takes("bf16", 9)
+    assert kernel.policy.takes("bf16", 8) == (not kernel.amx) and not kernel.policy.takes("bf16", 9)
     assert not kernel.policy.takes("q8_0", 9)
     # bf16 out of the fp32 kind: 8 rows (the blocked rows write fp32 only)
     x, w, out = torch.randn(9, 64), torch.randn(8, 64), torch.empty(9, 8, dtype=torch.bfloat16)
@@ -246,6 +246,30 @@ def test_a_policy_without_a_kind_leaves_its_linears_to_inductor() -> None:
     gm, rewritten = decompose_linears(_graph(torch.float32, 2, True), 2, policy)
     assert [n.args[-1] for n in gm.graph.nodes if n.target is cpu_linear.cpu_linear] == ["f32"]
     assert rewritten == 2  # the packed linear as its unpacking reduction
+
+
+def test_with_amx_tiles_bf16_linears_call_the_tiles_at_every_row_count() -> None:
+    """Where the kernel has AMX tiles (``LinearPolicy.tiles``) a bf16 linear
+    becomes ``kiln::onednn_linear`` (its tiles) at one row as at eight, never
+    the kernel's own bf16 loop nor a reduction; fp32 and packed linears keep
+    the kernel."""
+    from kiln.compiler import onednn
+    from kiln.compiler.gemv import kernel_takes_all
+
+    policy = cpu_linear.LinearPolicy(frozenset(cpu_linear._KINDS), 16, tiles=True)
+    assert policy.to_tiles("bf16") and not policy.to_tiles("f32") and not policy.to_tiles("q8_0")
+    assert not any(policy.takes("bf16", n) for n in (1, 2, 8))
+    assert policy.takes("f32", 2) and policy.takes("q8_0", 1)
+    for tokens in (1, 2, 8):
+        graph = _graph(torch.bfloat16, tokens, packed=True)
+        gm, rewritten = decompose_linears(graph, tokens, policy)
+        targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        assert targets.count(onednn.onednn_linear) == 1 and targets.count(cpu_linear.cpu_linear) == 1
+        assert rewritten == 2 and torch.sum not in targets
+        assert kernel_takes_all(graph, tokens, policy)
+    without = cpu_linear.LinearPolicy(frozenset(cpu_linear._KINDS), 16)
+    gm, _ = decompose_linears(_graph(torch.bfloat16, 2, packed=False), 2, without)
+    assert [n.args[-1] for n in gm.graph.nodes if n.target is cpu_linear.cpu_linear] == ["bf16"]
 
 
 def test_kernel_takes_all_says_whether_any_linear_stays_a_reduction() -> None:
