@@ -180,6 +180,9 @@ def test_a_bf16_head_onednn_would_widen_is_the_c_kernel_up_to_64_rows(compiled_l
         if kernel is not None and torch.bfloat16 in onednn.WIDENED and rows <= WIDENED_HEAD_MAX_ROWS:
             assert logits is not None and torch.equal(logits, kernel(hidden, weight, None, None, None, "bf16"))
             torch.testing.assert_close(logits.float(), hidden.float() @ weight.float().T, atol=0.05, rtol=2 ** -7)
+        elif kernel is not None and kernel.amx:  # bf16 on the AMX tiles (LinearPolicy.to_tiles), any rows
+            assert logits is not None and torch.equal(logits, onednn.implementation(hidden, weight, None))
+            torch.testing.assert_close(logits.float(), hidden.float() @ weight.float().T, atol=0.05, rtol=2 ** -7)
         else:
             assert logits is None  # the head's other paths: oneDNN, compiled heads or torch
 
