@@ -264,14 +264,18 @@ static inline __attribute__((always_inline)) void block_f32(
         vfloat acc[4][XB];
         _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++)
             _Pragma("GCC unroll 4") for (int i = 0; i < XB; i++) acc[r][i] = vzero();
-        /* this pass's share of ``next``: [ask, until), ``per`` lines a step of K */
-        int64_t ask = 4 * k * p / passes;
-        const int64_t until = 4 * k * (p + 1) / passes, steps = kv / VW > 0 ? kv / VW : 1;
-        const int64_t per = ((until - ask) / CACHE_LINE_FLOATS + steps - 1) / steps;
+        /* this pass's share of ``next``, [ask, until): one line a step of K, two
+         * where the share has more lines than the pass has steps (3 passes) */
+        const float *ask = next ? next + 4 * k * p / passes : NULL;
+        const float *until = next ? next + 4 * k * (p + 1) / passes : NULL;
+        const int64_t steps = kv / VW > 0 ? kv / VW : 1;
+        const int two = (until - ask) / CACHE_LINE_FLOATS > steps;
         for (int64_t c = 0; c < kv; c += VW) {
-            if (next)
-                for (int64_t line = 0; line < per && ask < until; line++, ask += CACHE_LINE_FLOATS)
-                    _mm_prefetch((const char *)(next + ask), _MM_HINT_T0);
+            if (ask < until) {
+                _mm_prefetch((const char *)ask, _MM_HINT_T0);
+                if (two) _mm_prefetch((const char *)(ask + CACHE_LINE_FLOATS), _MM_HINT_T0);
+                ask += (1 + two) * CACHE_LINE_FLOATS;
+            }
             const vfloat w0 = vload(w + c), w1 = vload(w + k + c), w2 = vload(w + 2 * k + c),
                          w3 = vload(w + 3 * k + c);
             _Pragma("GCC unroll 4") for (int i = 0; i < XB; i++) {
@@ -957,7 +961,8 @@ int kiln_linear(int kind, const void *x, int x_bf16, int64_t x_stride, int64_t m
      * for the bf16 dot product, or for the packed kinds as prepare_packed
      * makes them, with their 32-element block sums (``sbuf``). */
     const int64_t mp = m > KILN_MAX_ROWS ? (m + XB - 1) / XB * XB : m;  /* rows_f32_block's padded rows */
-    float xf[KILN_DENSE_MAX_ROWS * 1024], xs[KILN_MAX_ROWS * 32];
+    _Alignas(64) float xf[KILN_DENSE_MAX_ROWS * 1024];
+    float xs[KILN_MAX_ROWS * 32];
     _Alignas(64) unsigned char scratch[KILN_MAX_ROWS * 4096];
     float *xbuf = buffer(xf, KILN_DENSE_MAX_ROWS * 1024, mp * k, sizeof(float));
     float *sbuf = buffer(xs, KILN_MAX_ROWS * 32, m * (k / 32 + 1), sizeof(float));
