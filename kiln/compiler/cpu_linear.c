@@ -209,16 +209,18 @@ DENSE_ROW(dense_bf16, uint16_t, load_bf16, bf16_to_f32)
 
 /* ------------------------------------------------------ fp32, 9 to 16 rows
  * DENSE_ROW loads each activation vector for one multiply-add: rebuilt for 16
- * rows it was bound by the load ports, and a step's fp32 linears of the 135M
- * shape took 51-56 ms at 16 rows against 28-30 ms at 8 and oneDNN's 41-48.
- * Here a pass multiplies a block of 4 weight rows by XB activation rows, each
- * vector loaded once for 4 (weights) or XB (activations) multiply-adds, and
- * the block's later passes read its weights from L1. The stream of weights
- * from memory is asked for ahead, spread over the passes: the block after
- * this one, a share of it each pass (block_f32). The rows are padded with
- * zeros to a multiple of XB. The probe of this loop took 33.6-34.9 ms for the
- * same step's linears at 16 rows (scratch timings, 2 threads of an Intel
- * Xeon, 2026-12-06). */
+ * rows it was bound by the load ports (a step's fp32 linears of the 135M
+ * shape 51-56 ms at 16 rows against 28-30 at 8, scratch probe). Here a pass
+ * multiplies a block of 4 weight rows by XB activation rows, each vector
+ * loaded once for 4 (weights) or XB (activations) multiply-adds, and the
+ * block's later passes read its weights from L1. The stream of weights from
+ * memory is asked for ahead, spread over the passes: the block after this
+ * one, a share of it each pass (block_f32). The rows are padded with zeros
+ * to a multiple of XB. A step's linears at 16 rows: 27.9 ms, oneDNN's on
+ * reordered weights 27.5 (bench/results/step-linears-cpu-20261207-012709.json,
+ * 2 threads of an Intel Xeon); what kiln gains is a step that stays under a
+ * CPU call graph, which oneDNN's torch work refuses: 16-request fp32 decode
+ * steps of the demo model 51.4 -> 40.3 ms (decode-throughput-cpu-20261207-*). */
 #define KILN_DENSE_MAX_ROWS 16 /* fp32 rows one call takes; the other kinds KILN_MAX_ROWS */
 #if KILN_AVX512
 #define XB 4 /* activation rows a pass: 16 accumulators, 4 weight vectors, of 32 registers */
