@@ -108,9 +108,10 @@ def build(inductor_dir: Path, kinds: set[str] | frozenset[str] | None = None) ->
 @dataclass(frozen=True)
 class LinearPolicy:
     """Which linears of a few-token CPU piece call the kernel: bf16 and the
-    packed kinds at any count, fp32 from two tokens on. At one token an fp32
-    linear stays Inductor's reduction, fused into the piece, which does as
-    well as the kernel and saves a call.
+    packed kinds at any count up to ``MAX_ROWS``, fp32 from two tokens on, up
+    to ``f32_rows``; bf16 none where the kernel has AMX tiles (``tiles``),
+    which take them. At one token an fp32 linear stays Inductor's reduction,
+    fused into the piece, which does as well as the kernel and saves a call.
 
     Whole decode steps of the 135M shape at one token, kiln -O2, fresh
     processes, the median step of 128 new tokens (scratch runs, 2026-12-04):
@@ -133,8 +134,8 @@ class LinearPolicy:
     # kiln::onednn_linear: a step's bf16 linears of the 135M shape took 7.4, 7.9 and
     # 7.6 ms there at 2, 4 and 8 rows against this kernel's 8.9, 9.4 and 16.5, and 7.1
     # both at one row (2 threads of an Intel Xeon, 2026-12-07; bench/results/
-    # step-linears-cpu-*.json has 8 rows). One path for every count also gives a row
-    # the same bits of its linears whatever its batch.
+    # step-linears-cpu-*.json has 8 rows). One path for every count up to
+    # onednn.AMX_MAX_ROWS also gives a row the same bits of its linears whatever its batch.
     tiles: bool = False
 
     def takes(self, kind: str, tokens: int) -> bool:
@@ -309,7 +310,7 @@ class CpuLinearKernel:
         bf16 = x.dtype == torch.bfloat16
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
-        most = MAX_ROWS if bf16 else self.max_rows[kind]
+        most = MAX_ROWS if bf16 else self.max_rows.get(kind, MAX_ROWS)  # a kind not built: refused below
         if x.dim() == 2 and x.stride(1) == 1 and 0 < x.shape[0] <= most:
             m, k = x.shape
             out = _empty((m, n), (n, 1), x.dtype)
