@@ -299,8 +299,10 @@ class BackgroundCompile:
         if entry is None:
             self._fail(f"{self._entry_name()} is missing or damaged", "")
             return
+        # the AMX tiles before the first step that can use them (oneDNN's copies follow in a
+        # thread): a step on the weights as they are would round some bf16 outputs otherwise
+        entry.model.reorder_weights(runner.max_num_seqs)
         runner.use_compiled(entry.model)
-        entry.model.reorder_weights(runner.max_num_seqs)  # oneDNN's copies of the weights, in a thread
         if self._after_swap is not None:
             self._after_swap(runner)
         with self._lock:
