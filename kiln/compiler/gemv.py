@@ -44,6 +44,7 @@ __all__ = ["CPU_GEMV_MAX_TOKENS", "decompose_linears", "kernel_takes_all", "logi
 # and 4 tokens the reduction beat mm on the QKV, gate/up and LM-head weights of a
 # 135M model and tied on the down projection (bench/results/gemv-cpu-latest.json).
 CPU_GEMV_MAX_TOKENS = 4
+_TILED_DTYPES = frozenset({torch.bfloat16})  # the dense linears a policy with AMX tiles sends to them
 
 
 def decompose_linears(gm: fx.GraphModule, tokens: int, policy: LinearPolicy | None = None,
@@ -61,7 +62,7 @@ def decompose_linears(gm: fx.GraphModule, tokens: int, policy: LinearPolicy | No
     that Inductor's caches can still serialise the piece."""
     tiled = 0
     if policy is not None and policy.to_tiles("bf16"):
-        gm, tiled = onednn.rewrite_linears(gm, frozenset({torch.bfloat16}))
+        gm, tiled = onednn.rewrite_linears(gm, _TILED_DTYPES)
     graph = copy.deepcopy(gm.graph)  # node by node; metadata is shared, not copied
     rewritten = tiled + (_native_linears(graph, tokens, policy) if policy is not None else 0)
     rewritten += _lower_quantized_nodes(graph, as_reduction=True)
@@ -89,7 +90,7 @@ def kernel_takes_all(gm: fx.GraphModule, tokens: int, policy: LinearPolicy) -> b
     linears = [n for n in gm.graph.nodes if _is_dense_linear(n) or _is_packed_linear(n)]
     tiled = policy.to_tiles("bf16")
     return all(_native_args(n, tokens, policy) is not None
-               or (tiled and onednn.qualifies(n, frozenset({torch.bfloat16}))) for n in linears)
+               or (tiled and onednn.qualifies(n, _TILED_DTYPES)) for n in linears)
 
 
 def _is_dense_linear(node: fx.Node) -> bool:

@@ -180,10 +180,13 @@ class CompiledModel:
         tensors, fmt = self.model.logits_inputs()
         kernel = self.linear_kernel
         kind = dense_kind(tensors[0].dtype, tensors[0].dtype)
-        few = (kernel.max_rows[kind] if kernel is not None and kind in kernel.kinds
-               else CPU_GEMV_MAX_TOKENS)  # the rows that never reach oneDNN (_native_head)
-        if kernel is not None and kernel.policy.to_tiles(kind):
+        # the head's rows that never reach oneDNN's copy (_native_head)
+        if kernel is None or kind not in kernel.kinds:
+            few = CPU_GEMV_MAX_TOKENS
+        elif kernel.policy.to_tiles(kind):
             few = 0  # a bf16 head on the AMX tiles, which need its copy
+        else:
+            few = kernel.max_rows[kind]
         if fmt is None and max_rows > few:
             weights.append(tensors[0])
         nbytes, self.reordering = onednn.prepack(weights, background=True, kernel=kernel)
@@ -289,8 +292,8 @@ def _piece_jobs(
     ``cpu_linear.MAX_ROWS`` rows (16 where they are all fp32; one call each),
     the exact sizes in that span are compiled once, for the whole span: one
     dynamic compilation per piece instead of one per size, and the counts
-    between them (3, 5-8 or 5-16) call the kernel too instead of oneDNN. For the 135M shape a piece's dynamic compile
-    took 1.2x one exact size's (scratch timing: 2.7, 4.3, 1.4 s against 2.2,
+    between them (3, 5-8 or 5-16) call the kernel too instead of oneDNN.
+    For the 135M shape a piece's dynamic compile took 1.2x one exact size's (scratch timing: 2.7, 4.3, 1.4 s against 2.2,
     3.6, 1.2 s), so -O2's sizes 2 and 4 cost 0.6x what they did."""
     index_of = {sig: i for i, sig in enumerate(unique)}
     jobs: list[tuple[CompileJob, Install]] = []
@@ -329,10 +332,10 @@ def _traced_inputs(gm: fx.GraphModule) -> list[Any]:
 def _few_rows(unique: dict[str, tuple[Piece, BucketedPiece]], sizes: list[int], device: torch.device,
               policy: LinearPolicy | None) -> tuple[int, int] | None:
     """The span of token counts one dynamic compilation serves (``_piece_jobs``):
-    ``(2, high)`` when an exact size falls in it and the C kernel takes every
-    linear there, else None. ``high``: the fp32 kernel's rows
-    (``LinearPolicy.f32_rows``) where every linear is fp32, else
-    ``cpu_linear.MAX_ROWS``."""
+    ``(2, high)`` when an exact size falls in it and the C kernel (or the AMX
+    tiles it sends bf16 to) takes every linear at both ends, else None.
+    ``high``: the fp32 kernel's rows (``LinearPolicy.f32_rows``) where that
+    holds at them, else ``cpu_linear.MAX_ROWS``."""
     if device.type != "cpu" or policy is None:
         return None
     low = 2
