@@ -157,8 +157,10 @@ class _NativeBuilds:
 def _vec_isa(warmup: ToolchainWarmup, linear_kernel: cpu_linear.CpuLinearKernel | None) -> dict[str, Any]:
     """The ISA record the entry is built for: the warm-up's prediction where
     the C linear kernel's build vouches for it (no probe builds: 9 CPU-seconds
-    saved here), else Inductor's probe."""
-    kernel = (linear_kernel.isa, linear_kernel.vnni) if linear_kernel is not None else (None, False)
+    saved here, 8.5 s of a cold load on an Intel Xeon with AMX), else
+    Inductor's probe."""
+    kernel = ((linear_kernel.isa, linear_kernel.vnni, linear_kernel.amx_target) if linear_kernel is not None
+              else (None, False, False))
     if warmup.predicted is not None and trusted_prediction(warmup.predicted, *kernel):
         return warmup.predicted
     logger.info("probing the C++ compiler's vector ISA (predicted %s, the C linear kernel built for %s)",
@@ -187,11 +189,14 @@ def _build_entry(
         native = _NativeBuilds(inductor_dir, model) if cpu else None  # beside the trace too
         try:
             traced = trace_model(model, config, device)
+            t0 = time.perf_counter()
             attention_kernel = native.attention() if native else None
             linear_kernel = native.linear() if native else None
             # Asked before kernels are recorded: an ISA probe's test builds are not kernels.
             toolchain = {"vec_isa": _vec_isa(warmup, linear_kernel) if cpu else None,
                          "cxx": compiler_identity() if cpu else None}
+            # the wait for kiln's C kernels and the ISA answer, between the trace and the compile
+            traced.phases["toolchain"] = round(time.perf_counter() - t0, 4)
             with kernel_files(inductor_dir) as kernels, recorded_vec_isa(toolchain["vec_isa"]):
                 compiled, stats = compile_traced(
                     traced, model, config, max_num_tokens=max_num_tokens, device=device, eager_impls=eager_impls,

@@ -1427,6 +1427,18 @@ int kiln_linear_kinds(void) { return KILN_KINDS; }
 /* Whether the packed kinds multiply bytes by bytes (AVX512-VNNI), for kiln's reports. */
 int kiln_linear_vnni(void) { return KILN_VNNI; }
 
+/* 1 when the compiler targeted AMX's tiles with their bf16 and int8 products
+ * (-march=native on a CPU that has them), whatever kinds this library holds:
+ * what Inductor's AMX probe builds a test for (kiln.compiler.toolchain's
+ * trusted_prediction). */
+int kiln_linear_amx_target(void) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* The instruction set this library was built for, for kiln's reports. */
 const char *kiln_linear_isa(void) {
     return KILN_DPBF16 ? "avx512-bf16" : KILN_AVX512 ? "avx512" : "avx2";

@@ -492,6 +492,13 @@ def test_only_the_native_build_of_a_cpu_with_amx_has_the_tiles(kernel, native_ke
         assert library.kiln_amx_linear(None, i64(64), i64(1), i64(64), None, i64(32), None, None, i64(32), 1) == -3
 
 
+def test_the_native_build_targets_the_tiles_where_the_cpu_has_them(native_kernel) -> None:
+    """What lets a cold compile take a predicted AMX target without
+    Inductor's probe (kiln.compiler.toolchain.trusted_prediction)."""
+    assert native_kernel.amx_target == (AMX and "amx_int8" in cpu_flags())
+    assert native_kernel.amx_target or not native_kernel.amx
+
+
 @needs_amx
 @pytest.mark.parametrize("rows", [1, 15, 16, 17, 40, 64, 300])
 @pytest.mark.parametrize("n, k", [(48, 64), (160, 96), (32, 1536)])  # 48: a last block of 16 columns alone
