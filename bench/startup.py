@@ -71,10 +71,15 @@ print(json.dumps({"first_token_at": time.time(), "load_started_at": t_load, "tok
 """
 
 TRANSFORMERS_LOAD = r"""
-import sys, time, json
+import os, sys, time, json
 import torch, transformers
 t0 = time.time()
-transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+path = sys.argv[1]
+if path.endswith(".gguf"):  # transformers reads a GGUF file by its folder and name
+    transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path),
+                                                      dtype=torch.float32)
+else:
+    transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 print(json.dumps({"load_seconds": time.time() - t0}))
 """
 

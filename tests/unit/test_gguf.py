@@ -497,7 +497,23 @@ def test_tokenizer_chat_template_and_special_ids(tmp_path: Path) -> None:
     assert generation["temperature"] == 0.5
     assert checkpoint.config()["vocab_size"] == model.config.vocab_size  # from the token list
 
-    tok = checkpoint.load_tokenizer()
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    readers = []
+    parse = hf_gguf.load_gguf_checkpoint
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        readers.append(gguf.GGUFReader)
+        return parse(*args, **kwargs)
+
+    original = gguf.GGUFReader
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_gguf, "load_gguf_checkpoint", spy)
+        tok = checkpoint.load_tokenizer()
+    # transformers parsed the file with kiln's reader (its fast reads), and gguf's is back after
+    assert readers and all(r is not original and issubclass(r, original) for r in readers)
+    assert gguf.GGUFReader is original
     assert tok.eos_token_id == 2 and tok.eos_token == "<|im_end|>"
     text = "the rain in spain"
     ids = tok.encode(text, add_special_tokens=False)
