@@ -130,14 +130,61 @@ def _make_reader_class() -> type:
         ``ndarray`` view of the map, the same bytes, took a fraction of that
         (``_get``)."""
 
-        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: str | None = None) -> Any:
-            plain = self.__dict__.get("_plain")
+        def _plain(self) -> np.ndarray:
+            """The mapped file as a plain uint8 array (made once)."""
+            plain = self.__dict__.get("_plain_view")
             if plain is None:
-                plain = self._plain = self.data.view(np.ndarray)
+                plain = self._plain_view = self.data.view(np.ndarray)
+            return plain
+
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: str | None = None) -> Any:
+            plain = self._plain()
             count = int(count)
             dtype = np.dtype(dtype)
             arr = plain[offset:offset + dtype.itemsize * count].view(dtype)[:count]
             return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+            """gguf's parts of one value; an array of strings or of scalars in
+            one loop here, where gguf recurses once per element (the demo
+            file's tokens, types and merges: 0.60 -> 0.19 s of its parse, a
+            quarter of a warm start; a 152k-token vocabulary three times
+            that). The same parts, data indices and types as gguf's."""
+            value = gguf.GGUFValueType
+            if raw_type != value.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            if len(raw_itype) < 1 or len(alen) < 1:
+                raise ValueError(f"an array at byte {orig_offs} runs past the end of the file")
+            item_type, count = int(raw_itype[0]), int(alen[0])
+            scalar = self.gguf_scalar_to_np.get(item_type)  # type: ignore[call-overload]
+            if item_type != value.STRING and scalar is None:  # arrays of arrays: gguf's own loop
+                return super()._get_field_parts(orig_offs, raw_type)
+            types = [value.ARRAY] + ([value(item_type)] if count else [])
+            offs = orig_offs + 12
+            parts: list[Any] = [raw_itype, alen]
+            if scalar is not None:
+                values = self._get(offs, scalar, count)
+                if len(values) < count:
+                    raise ValueError(f"an array of {count} values at byte {orig_offs} runs past the end of the file")
+                parts += [values[i:i + 1] for i in range(count)]
+                return 12 + values.nbytes, parts, list(range(2, 2 + count)), types
+            plain = self._plain()
+            lengths = np.dtype(np.uint64).newbyteorder(self.byte_order)
+            end = len(plain)
+            data_idxs = []
+            for _ in range(count):
+                if offs + 8 > end:
+                    raise ValueError(f"an array of {count} strings at byte {orig_offs} runs past the end of the file")
+                slen = plain[offs:offs + 8].view(lengths)
+                stop = offs + 8 + int(slen[0])
+                if stop > end:
+                    raise ValueError(f"a string at byte {offs} runs past the end of the file")
+                parts += [slen, plain[offs + 8:stop]]
+                data_idxs.append(len(parts) - 1)
+                offs = stop
+            return offs - orig_offs, parts, data_idxs, types
 
         def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
             known = {int(t) for t in gguf.GGMLQuantizationType}

@@ -628,6 +628,41 @@ def test_truncated_in_the_metadata(tmp_path: Path) -> None:
     _error(path, "truncated", repr(fields[2].name))
 
 
+def test_truncated_inside_the_token_list(tmp_path: Path) -> None:
+    """kiln's reader walks arrays of strings itself (_get_field_parts): a cut
+    inside one is named, not read past."""
+    meta, tensors = hf_to_gguf(build_hf_model("llama"), "llama")
+    path = write_gguf(tmp_path / "tok.gguf", "llama", meta, tensors)
+    field = gguf.GGUFReader(str(path)).fields["tokenizer.ggml.tokens"]
+    data = path.read_bytes()
+    path.write_bytes(data[:field.offset + sum(int(p.nbytes) for p in field.parts) // 2])
+    _error(path, "truncated", "past the end of the file")
+
+
+def test_kilns_reader_gives_the_fields_ggufs_reader_gives(tmp_path: Path) -> None:
+    """Strings, integer and float arrays, an empty array and nested arrays
+    (gguf's own loop), field by field, part by part: transformers reads the
+    file through kiln's reader too (load_tokenizer)."""
+    from kiln.checkpoint.gguf import _open_reader
+
+    meta, tensors = hf_to_gguf(build_hf_model("llama"), "llama")
+    meta["tokenizer.ggml.scores"] = [float(i) / 7 for i in range(len(meta["tokenizer.ggml.tokens"]))]
+    meta["kiln.test.empty"] = []
+    meta["kiln.test.nested"] = [[1, 2], [3]]
+    meta["kiln.test.unicode"] = ["Ġthé", "日本", ""]
+    path = write_gguf(tmp_path / "all.gguf", "llama", meta, tensors)
+    theirs, ours = gguf.GGUFReader(str(path)), _open_reader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert (mine.offset, mine.data, mine.types) == (field.offset, field.data, field.types), name
+        assert [(p.dtype, p.shape, p.tobytes()) for p in mine.parts] == \
+            [(p.dtype, p.shape, p.tobytes()) for p in field.parts], name
+        assert mine.contents() == field.contents(), name
+    assert ours.fields["kiln.test.unicode"].contents() == ["Ġthé", "日本", ""]
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+
+
 def test_unknown_architecture(tmp_path: Path) -> None:
     path = tiny_file(tmp_path, arch="gpt2")
     _error(path, "general.architecture", "'gpt2'", "llama, qwen2, qwen3")
