@@ -542,6 +542,7 @@ def test_the_tokenizer_is_kept_and_loaded_from_the_cache(tmp_path: Path, monkeyp
     loaded = open_checkpoint(checkpoint.path).load_tokenizer(tmp_path / "cache")
     text = "<|im_start|>the rain in spain<|im_end|>"
     assert loaded.encode(text) == built.encode(text) and loaded.eos_token_id == built.eos_token_id
+    assert type(loaded) is type(built)  # a plain class loads by itself (_load_kept_tokenizer), the same class
     messages = [{"role": "user", "content": "hi"}]
     assert (loaded.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             == built.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
