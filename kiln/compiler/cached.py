@@ -159,8 +159,8 @@ def _vec_isa(warmup: ToolchainWarmup, linear_kernel: cpu_linear.CpuLinearKernel 
     the C linear kernel's build vouches for it (no probe builds: 9 CPU-seconds
     saved here, 8.5 s of a cold load on an Intel Xeon with AMX), else
     Inductor's probe."""
-    kernel = ((linear_kernel.isa, linear_kernel.vnni, linear_kernel.amx_target) if linear_kernel is not None
-              else (None, False, False))
+    kernel = ((linear_kernel.isa, linear_kernel.vnni, linear_kernel.amx_target, linear_kernel.amx_fp16_target)
+              if linear_kernel is not None else (None, False, False, False))
     if warmup.predicted is not None and trusted_prediction(warmup.predicted, *kernel):
         return warmup.predicted
     logger.info("probing the C++ compiler's vector ISA (predicted %s, the C linear kernel built for %s)",

@@ -1427,13 +1427,17 @@ int kiln_linear_kinds(void) { return KILN_KINDS; }
 /* Whether the packed kinds multiply bytes by bytes (AVX512-VNNI), for kiln's reports. */
 int kiln_linear_vnni(void) { return KILN_VNNI; }
 
-/* 1 when the compiler targeted AMX's tiles with their bf16 and int8 products
- * (-march=native on a CPU that has them), whatever kinds this library holds:
- * what Inductor's AMX probe builds a test for (kiln.compiler.toolchain's
- * trusted_prediction). */
+/* Whether the compiler targeted AMX's tiles (-march=native on a CPU that has
+ * them), whatever kinds this library holds: bit 0 the tiles with their bf16
+ * and int8 products, bit 1 also their fp16 products. What Inductor's AMX
+ * probe builds tests for (kiln.compiler.toolchain's trusted_prediction). */
 int kiln_linear_amx_target(void) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
+#if defined(__AMX_FP16__)
+    return 3;
+#else
     return 1;
+#endif
 #else
     return 0;
 #endif

@@ -175,9 +175,11 @@ class CpuLinearKernel:
         # the "-a8" kinds: products of the packed integers and the int8-rounded
         # activations summed as integers (AVX512-VNNI), else of the same values in fp32
         self.vnni: bool = bool(library.kiln_linear_vnni())
-        # the compiler targeted AMX's tiles (bf16 and int8 products), whatever the kinds:
-        # lets a cold compile skip Inductor's AMX probe (toolchain.trusted_prediction)
-        self.amx_target: bool = hasattr(library, "kiln_linear_amx_target") and library.kiln_linear_amx_target() == 1
+        # the compiler targeted AMX's tiles (bf16 and int8 products; and fp16 ones), whatever
+        # the kinds: lets a cold compile skip Inductor's AMX probe (toolchain.trusted_prediction)
+        target = library.kiln_linear_amx_target() if hasattr(library, "kiln_linear_amx_target") else 0
+        self.amx_target: bool = bool(target & 1)
+        self.amx_fp16_target: bool = bool(target & 2)
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._fn: Any = _declared(library, "kiln_linear",
                                   [i32, p, i32, i64, i64, p, p, p, i64, i64, p, p, i32, i64, i32])

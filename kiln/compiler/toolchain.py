@@ -244,21 +244,21 @@ def predicted_vec_isa_record() -> dict[str, Any]:
 
 
 def trusted_prediction(predicted: dict[str, Any] | None, kernel_isa: str | None, kernel_vnni: bool,
-                       kernel_amx: bool = False) -> bool:
+                       kernel_amx: bool = False, kernel_amx_fp16: bool = False) -> bool:
     """Whether the predicted ISA record can stand for the probe's answer: the
     C linear kernel, built by the machine's C compiler for this CPU
     (``-march=native``; gcc beside Inductor's g++ here), compiled the vector
     extensions the prediction names. A predicted AMX target is trusted where
-    the compiler targeted the tiles' bf16 and int8 products
-    (``kernel_amx``: ``CpuLinearKernel.amx_target``); the prediction already
-    asked Linux for the tiles (``torch.cpu._init_amx``), as the probe does.
-    AMX-FP16 is beyond what the kernel shows: a prediction with it is probed.
-    The probe took 8.5 s of a cold load on an Intel Xeon with AMX (2 cores,
-    2026-12-07), its answer the prediction's."""
+    the compiler targeted the tiles' bf16 and int8 products (``kernel_amx``:
+    ``CpuLinearKernel.amx_target``), and their fp16 ones where the prediction
+    has them (``kernel_amx_fp16``); the prediction already asked Linux for
+    the tiles (``torch.cpu._init_amx``), as the probe does. The probe took
+    8.5 s of a cold load on an Intel Xeon with AMX (2 cores, 2026-12-07), its
+    answer the prediction's."""
     if predicted is None or kernel_isa is None:
         return False
     name = predicted.get("name", "")
-    if "amx" in name and (not kernel_amx or predicted.get("amx_fp16")):
+    if "amx" in name and (not kernel_amx or (predicted.get("amx_fp16") and not kernel_amx_fp16)):
         return False
     if "avx512" in name and not kernel_isa.startswith("avx512"):
         return False

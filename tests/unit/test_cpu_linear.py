@@ -497,6 +497,8 @@ def test_the_native_build_targets_the_tiles_where_the_cpu_has_them(native_kernel
     Inductor's probe (kiln.compiler.toolchain.trusted_prediction)."""
     assert native_kernel.amx_target == (AMX and "amx_int8" in cpu_flags())
     assert native_kernel.amx_target or not native_kernel.amx
+    # fp16 products: only on a CPU with them (a gcc before 13 does not target them there)
+    assert not native_kernel.amx_fp16_target or (native_kernel.amx_target and "amx_fp16" in cpu_flags())
 
 
 @needs_amx

@@ -126,20 +126,21 @@ AMX_RECORD = {"name": "avx512 avx512_vnni amx_tile", "avx512_bf16": True, "amx_f
 
 
 @pytest.mark.parametrize("predicted, kernel_isa, vnni, amx, trusted", [
-    ({"name": "avx512 avx512_vnni", "avx512_bf16": True}, "avx512-bf16", True, False, True),
-    ({"name": "avx512 avx512_vnni", "avx512_bf16": True}, "avx512", True, False, False),  # no bf16 built
-    ({"name": "avx512 avx512_vnni", "avx512_bf16": False}, "avx512", False, False, False),  # no VNNI built
-    ({"name": "avx512", "avx512_bf16": False}, "avx2", False, False, False),  # the compiler stopped at AVX2
-    ({"name": "avx2", "avx512_bf16": False}, "avx2", False, False, True),
-    (AMX_RECORD, "avx512-bf16", True, True, True),  # the compiler targeted the tiles
-    (AMX_RECORD, "avx512-bf16", True, False, False),  # it did not: probed
-    ({**AMX_RECORD, "amx_fp16": True}, "avx512-bf16", True, True, False),  # AMX-FP16: probed
-    (AMX_RECORD, "avx512", True, True, False),  # the tiles, but no AVX512-BF16 built
-    ({"name": "avx2", "avx512_bf16": False}, None, False, False, False),  # no kernel to vouch for it
-    (None, "avx512-bf16", True, True, False),
+    ({"name": "avx512 avx512_vnni", "avx512_bf16": True}, "avx512-bf16", True, (False, False), True),
+    ({"name": "avx512 avx512_vnni", "avx512_bf16": True}, "avx512", True, (False, False), False),  # no bf16 built
+    ({"name": "avx512 avx512_vnni", "avx512_bf16": False}, "avx512", False, (False, False), False),  # no VNNI
+    ({"name": "avx512", "avx512_bf16": False}, "avx2", False, (False, False), False),  # stopped at AVX2
+    ({"name": "avx2", "avx512_bf16": False}, "avx2", False, (False, False), True),
+    (AMX_RECORD, "avx512-bf16", True, (True, False), True),  # the compiler targeted the tiles
+    (AMX_RECORD, "avx512-bf16", True, (False, False), False),  # it did not: probed
+    ({**AMX_RECORD, "amx_fp16": True}, "avx512-bf16", True, (True, False), False),  # AMX-FP16 not built: probed
+    ({**AMX_RECORD, "amx_fp16": True}, "avx512-bf16", True, (True, True), True),  # and built
+    (AMX_RECORD, "avx512", True, (True, False), False),  # the tiles, but no AVX512-BF16 built
+    ({"name": "avx2", "avx512_bf16": False}, None, False, (False, False), False),  # no kernel to vouch for it
+    (None, "avx512-bf16", True, (True, True), False),
 ])
-def test_a_prediction_is_trusted_only_where_kilns_kernel_built_its_extensions(predicted, kernel_isa, vnni: bool,
-                                                                             amx: bool, trusted: bool) -> None:
+def test_a_prediction_is_trusted_only_where_kilns_kernel_built_its_extensions(
+        predicted, kernel_isa, vnni: bool, amx: tuple[bool, bool], trusted: bool) -> None:
     from kiln.compiler.toolchain import trusted_prediction
 
-    assert trusted_prediction(predicted, kernel_isa, vnni, amx) is trusted
+    assert trusted_prediction(predicted, kernel_isa, vnni, *amx) is trusted
