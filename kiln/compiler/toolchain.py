@@ -94,6 +94,13 @@ def recorded_vec_isa(record: dict[str, Any] | None) -> Iterator[None]:
     for key, attr in _ISA_PROBED_ATTRS.items():
         if hasattr(isa, attr):
             setattr(isa, attr, bool(record.get(key, False)))
+    if "amx" in record["name"]:
+        # The probe's last step, skipped with it: Linux hands the tiles out per process, on
+        # request, and a kernel built for them faults in a process that did not ask.
+        init_amx = getattr(torch.cpu, "_init_amx", None)
+        if init_amx is not None and not init_amx():
+            logger.warning("vector ISA %r recorded in the entry uses AMX, which Linux did not grant this "
+                           "process", record["name"])
     picked: Callable[[], Any] = lambda: isa  # noqa: E731
     # ``bool(isa)``, which Inductor's C++ builds ask, would run the probe's test
     # builds for it (three here, 2 CPU-seconds each): the record answers it.

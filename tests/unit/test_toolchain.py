@@ -65,6 +65,20 @@ def test_recorded_isa_needs_no_probe_build_and_gives_the_probed_answer(avx512_cp
     assert str(probed) == "avx512 avx512_vnni" and probed.build_arch_flags() == replayed_flags
 
 
+def test_a_recorded_amx_isa_asks_linux_for_the_tiles_as_the_probe_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe's AMX check ends with torch.cpu._init_amx (arch_prctl), and
+    Inductor's AMX kernels fault in a process that never asked: the replayed
+    record asks in its place; a record without AMX does not."""
+    asked: list[bool] = []
+    monkeypatch.setattr(torch.cpu, "_init_amx", lambda: asked.append(True) or True)
+    with recorded_vec_isa(RECORD):
+        pass
+    assert asked == []
+    with recorded_vec_isa({**RECORD, "name": "avx512 avx512_vnni amx_tile"}):
+        assert str(cpu_vec_isa.pick_vec_isa()) == "avx512 avx512_vnni amx_tile"
+    assert asked == [True]
+
+
 def test_torch_key_is_recorded_then_replayed_while_torch_is_unchanged(tmp_path, monkeypatch) -> None:
     from torch._inductor import codecache
 
