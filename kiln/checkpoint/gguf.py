@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -825,12 +826,16 @@ def _checked_reader_for_transformers() -> Iterator[None]:
     gguf = _gguf()
     if _READER_CLASS is None:
         _READER_CLASS = _make_reader_class()
-    saved = gguf.GGUFReader
-    gguf.GGUFReader = _READER_CLASS
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = saved
+    with _SWAP_LOCK:  # two threads building tokenizers would otherwise restore each other's swap
+        saved = gguf.GGUFReader
+        gguf.GGUFReader = _READER_CLASS
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = saved
+
+
+_SWAP_LOCK = threading.Lock()
 
 
 # transformers' tokenizer classes with no model-specific behaviour, which a kept
