@@ -814,6 +814,9 @@ class GGUFReader(CheckpointReader):
         self._map = None
 
 
+_SWAP_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _checked_reader_for_transformers() -> Iterator[None]:
     """``gguf.GGUFReader`` as kiln's ``_CheckedReader`` (``_make_reader_class``)
@@ -834,8 +837,6 @@ def _checked_reader_for_transformers() -> Iterator[None]:
         finally:
             gguf.GGUFReader = saved
 
-
-_SWAP_LOCK = threading.Lock()
 
 
 # transformers' tokenizer classes with no model-specific behaviour, which a kept
