@@ -130,7 +130,8 @@ def _make_reader_class() -> type:
         tokens and 48900 merges took 5.8 s to parse, most of a warm start
         (``load_tokenizer`` in the startup report). The same slices of an
         ``ndarray`` view of the map, the same bytes, took a fraction of that
-        (``_get``)."""
+        (``_get``); arrays of strings and numbers are walked in one loop
+        (``_flat_array_parts``)."""
 
         def _plain(self) -> np.ndarray:
             """The mapped file as a plain uint8 array (made once)."""
