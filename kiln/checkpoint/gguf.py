@@ -230,9 +230,16 @@ def _flat_array_parts(reader: Any, gguf: Any, orig_offs: int) -> Any:
 _READER_CLASS: type | None = None
 
 
+def _reader_class() -> type:
+    """kiln's ``_CheckedReader``, made once (it subclasses gguf's, imported late)."""
+    global _READER_CLASS
+    if _READER_CLASS is None:
+        _READER_CLASS = _make_reader_class()
+    return _READER_CLASS
+
+
 def _open_reader(path: Path) -> Any:
     """The parsed GGUFReader, or a CheckpointError naming the file and what is wrong."""
-    global _READER_CLASS
     try:
         with open(path, "rb") as fh:
             head = fh.read(8)
@@ -244,9 +251,8 @@ def _open_reader(path: Path) -> Any:
         )
     if len(head) < 8:
         raise CheckpointError(f"{path} is truncated: it ends inside the GGUF header ({len(head)} bytes)")
-    if _READER_CLASS is None:
-        _READER_CLASS = _make_reader_class()
-    reader = _READER_CLASS.__new__(_READER_CLASS)
+    cls = _reader_class()
+    reader = cls.__new__(cls)
     try:
         reader.__init__(str(path))
     except _TableError as e:
@@ -829,13 +835,11 @@ def _checked_reader_for_transformers() -> Iterator[None]:
     file's 6.1 s tokenizer build (cProfile, 2026-12-07). The subclass reads
     the same bytes through an array view and checks the tensor table, which
     kiln's own parse of the file has passed already."""
-    global _READER_CLASS
     gguf = _gguf()
-    if _READER_CLASS is None:
-        _READER_CLASS = _make_reader_class()
+    checked = _reader_class()
     with _SWAP_LOCK:  # two threads building tokenizers would otherwise restore each other's swap
         saved = gguf.GGUFReader
-        gguf.GGUFReader = _READER_CLASS
+        gguf.GGUFReader = checked
         try:
             yield
         finally:
