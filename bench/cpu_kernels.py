@@ -818,7 +818,8 @@ def measure_step_linears(dtype: torch.dtype, rows_list: Sequence[int], repeats: 
     """Milliseconds for a step's layer linears and its LM head at each row
     count; with ``kernel`` (a ``CpuLinearKernel``), also the whole step's by
     it where one call takes the rows (fp32: ``max_rows``), as few-row pieces
-    run them."""
+    run them, and fp32's by its panels at every row count, as many-row pieces
+    run them where it has them."""
     from kiln.compiler import onednn
     from kiln.compiler.cpu_linear import dense_kind
 
@@ -828,6 +829,11 @@ def measure_step_linears(dtype: torch.dtype, rows_list: Sequence[int], repeats: 
               for _ in range(SMOLLM2["num_hidden_layers"])]
     head = (torch.randn(MANY_ROWS_WEIGHTS["lm_head"], generator=gen) * 0.02).to(dtype)
     onednn.prepack([w for layer in layers for w in layer] + [head])
+    # fp32: the same weights laid out as the C kernel's panels (kiln_panels_linear), as kiln's
+    # many-row pieces run them where the kernel has them
+    laid_out = None
+    if kernel is not None and kernel.panels and dtype == torch.float32:
+        laid_out = [[onednn.kernel_weight(w, kernel) for w in layer] for layer in [*layers, [head]]]
     out: dict[str, Any] = {}
     with torch.inference_mode():
         for rows in rows_list:
@@ -855,6 +861,15 @@ def measure_step_linears(dtype: torch.dtype, rows_list: Sequence[int], repeats: 
 
                 timed["c_kernel_step"] = time_per_call(kernel_step, repeats=repeats, min_batch_seconds=batch_seconds)
                 flops["c_kernel_step"] = flops["layers"] + flops["lm_head"]
+            if laid_out is not None:
+                def panels_step(xs: list[torch.Tensor] = xs, xh: torch.Tensor = xh) -> None:
+                    for layer in laid_out[:-1]:
+                        for x, w in zip(xs, layer):
+                            w(x, None)
+                    laid_out[-1][0](xh, None)
+
+                timed["panels_step"] = time_per_call(panels_step, repeats=repeats, min_batch_seconds=batch_seconds)
+                flops["panels_step"] = flops["layers"] + flops["lm_head"]
             for part, t in timed.items():
                 t["gflop_per_s"] = flops[part] / (t["median_ms"] / 1e3) / 1e9
             out[str(rows)] = timed
@@ -915,6 +930,8 @@ def step_linears_report(args: argparse.Namespace) -> dict[str, Any]:
             "call": "kiln.compiler.onednn.implementation(x, W, None), every W reordered by prepack first",
             "c_kernel_step": "every layer linear and the LM head by kiln/compiler/cpu_linear.c, one call each, "
                              "where one call takes the rows (CpuLinearKernel.max_rows)",
+            "panels_step": "fp32: every layer linear and the LM head by the C kernel's panels (kiln_panels_linear), "
+                           "one call each, at every row count, where the kernel has them (AVX-512)",
             "statistic": "median over batches of the per-call time (at most 7 batches)",
             "workload": {**work, "lengths": "mixed, as bench.decode --throughput", "prompt_tokens": prompt_tokens,
                          "output_tokens": output_tokens,
@@ -930,15 +947,17 @@ def render_step_linears(report: dict[str, Any]) -> str:
     rows = []
     for r in report["results"]:
         for n, t in r["timings"].items():
-            kernel = t.get("c_kernel_step")
+            kernel, panels = t.get("c_kernel_step"), t.get("panels_step")
             rows.append([r["dtype"], n, fmt(t["layers"]["median_ms"], 1), fmt(t["layers"]["gflop_per_s"], 0),
                          fmt(t["lm_head"]["median_ms"], 2), fmt(t["lm_head"]["gflop_per_s"], 0),
                          fmt(t["layers"]["median_ms"] + t["lm_head"]["median_ms"], 1),
-                         fmt(kernel["median_ms"], 1) if kernel else "-"])
-    lines = [f"a step's linears by oneDNN on reordered weights, and by the C kernel where one call takes the rows, "
+                         fmt(kernel["median_ms"], 1) if kernel else "-",
+                         fmt(panels["median_ms"], 1) if panels else "-"])
+    lines = [f"a step's linears by oneDNN on reordered weights, by the C kernel where one call takes the rows, and "
+             f"fp32's by the C kernel's panels, "
              f"CPU, {report['settings']['threads']} threads (30 layers of the 135M shape + LM head)", "",
              format_table(["dtype", "rows", "layers ms", "layers GFLOP/s", "lm_head ms", "lm_head GFLOP/s",
-                           "oneDNN step ms", "C kernel step ms"], rows)]
+                           "oneDNN step ms", "C kernel step ms", "panels step ms"], rows)]
     work = report["settings"]["workload"]
     for r in report["results"]:
         b = r["bound"]

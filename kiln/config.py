@@ -106,9 +106,10 @@ _CPU_COMPILE_SIZES = (1, 2, 4)
 # shape, come from one arena all the graphs share (kiln.graphs.cpu.CaptureArena):
 # 33.6 MB, the graph of 64's. A step of more requests than CPU_CAPTURE_LARGEST
 # (the CPU default max_num_seqs) runs without one (its Python is a smaller part
-# of it). Where a size's step does torch work (fp32 linears of more than 16
-# rows and quantized ones of more than 8 go through oneDNN) its capture is
-# refused and the size dropped at its first step.
+# of it). Where a size's step does torch work (quantized linears of more than
+# 8 rows go through oneDNN, and so do fp32 ones of more than 16 where the C
+# kernel has no fp32 panels: AVX2) its capture is refused and the size dropped
+# at its first step.
 CPU_CAPTURE_MAX = 8
 CPU_CAPTURE_STEP = 16
 CPU_CAPTURE_LARGEST = 64

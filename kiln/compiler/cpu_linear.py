@@ -198,10 +198,18 @@ class CpuLinearKernel:
         self._amx_pack: Any = _declared(library, "kiln_amx_pack", [p, i64, i64, p, i32]) if self.amx else None
         self._amx_linear: Any = (_declared(library, "kiln_amx_linear", [p, i64, i64, i64, p, i64, p, p, i64, i32])
                                  if self.amx else None)
+        # kiln_panels_linear: fp32 linears of many rows on weights laid out as panels,
+        # where the library was built with AVX-512 (False in one built before it was there)
+        self.panels: bool = hasattr(library, "kiln_panels") and library.kiln_panels() == 1
+        self._panels_linear_ext: Any = getattr(module, "panels_linear", None)
+        self._panels_size: Any = _declared(library, "kiln_panels_size", [i64, i64], i64) if self.panels else None
+        self._panels_pack: Any = _declared(library, "kiln_panels_pack", [p, i64, i64, p, i32]) if self.panels else None
+        self._panels_linear: Any = (_declared(library, "kiln_panels_linear", [p, i64, i64, i64, p, i64, p, p, i64, i32])
+                                    if self.panels else None)
         # kiln_silu_mul: the gated MLP's activation (kiln.compiler.activation)
         self._silu_mul: Any = _declared(library, "kiln_silu_mul", [p, i64, i64, i64, p, i64, i32, i32])
         for ext, c in ((self._linear, self._fn), (self._amx_linear_ext, self._amx_linear),
-                       (self._silu_mul_ext, self._silu_mul)):
+                       (self._panels_linear_ext, self._panels_linear), (self._silu_mul_ext, self._silu_mul)):
             if ext is not None and c is not None:  # the extension's function passes its arguments on in order
                 register_c_function(ext, c)
         # kiln_replay: a CPU call graph's calls made from C (kiln.graphs.cpu)
@@ -243,22 +251,51 @@ class CpuLinearKernel:
         steps: the extension module's call takes the tensors as they are,
         and rows as the pieces hand them over (2-D, each contiguous) are
         neither reshaped nor viewed (2 us of a 7 us call, scratch timing)."""
+        return self._laid_out_linear("an AMX", self._amx_linear_ext, self._amx_linear, x, tiles, n, bias,
+                                     torch.bfloat16)
+
+    def f32_panels(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """``weight`` (``[N, K]`` fp32) laid out as panels of 48 columns
+        (``kiln_panels_pack``), for ``panels_linear``; None where the kernel
+        does not take it: no panels (``panels``), another dtype or device.
+        The layout pads N up to whole panels with zeros."""
+        if not self.panels or weight.dim() != 2 or weight.dtype != torch.float32 or not weight.is_cpu:
+            return None
+        n, k = weight.shape
+        if n < 1 or k < 1:
+            return None
+        weight = weight.contiguous()
+        panels = torch.empty(self._panels_size(n, k), dtype=torch.float32)
+        if self._panels_pack(weight.data_ptr(), n, k, panels.data_ptr(), torch.get_num_threads()) != 0:
+            return None
+        return panels
+
+    def panels_linear(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None,
+                      ) -> torch.Tensor:
+        """``x [..., K] @ W.T + bias`` in fp32 on W's panels (``f32_panels``;
+        ``n``: W's rows), at any number of rows; called as ``amx_linear``."""
+        return self._laid_out_linear("a panels", self._panels_linear_ext, self._panels_linear, x, panels, n, bias,
+                                     torch.float32)
+
+    def _laid_out_linear(self, what: str, ext: Any, fn: Any, x: torch.Tensor, layout: torch.Tensor, n: int,
+                         bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """One call of a kernel on a weight it laid out (``ext``, else its
+        ctypes twin ``fn``), the arguments as ``kiln_amx_linear`` takes them."""
         k = x.shape[-1]
         rows = x if x.dim() == 2 and x.stride(1) == 1 else _rows(x)
         m = rows.shape[0]
-        out = _empty((m, n), (n, 1), torch.bfloat16)
+        out = _empty((m, n), (n, 1), dtype)
         if m == 0:
             return out.view(*x.shape[:-1], n)
-        if bias is not None and (bias.dtype != torch.bfloat16 or bias.stride(-1) != 1):
-            bias = bias.to(torch.bfloat16).contiguous()
+        if bias is not None and (bias.dtype != dtype or bias.stride(-1) != 1):
+            bias = bias.to(dtype).contiguous()
         threads, stride = torch.get_num_threads(), _row_stride(rows)
-        if self._amx_linear_ext is not None:
-            rc = self._amx_linear_ext(rows, stride, m, k, tiles, n, bias, out, n, threads)
+        if ext is not None:
+            rc = ext(rows, stride, m, k, layout, n, bias, out, n, threads)
         else:
-            rc = self._amx_linear(rows.data_ptr(), stride, m, k, tiles.data_ptr(), n, _ptr(bias), out.data_ptr(),
-                                  n, threads)
+            rc = fn(rows.data_ptr(), stride, m, k, layout.data_ptr(), n, _ptr(bias), out.data_ptr(), n, threads)
         if rc != 0:
-            raise RuntimeError(f"{self.path.name} refused an AMX linear of {(m, k)} by [{n}, {k}] (rc {rc})")
+            raise RuntimeError(f"{self.path.name} refused {what} linear of {(m, k)} by [{n}, {k}] (rc {rc})")
         return out if rows is x else out.view(*x.shape[:-1], n)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -288,12 +325,12 @@ class CpuLinearKernel:
         return out if rows is x else out.view(*x.shape[:-1], inter)
 
     def native_sites(self) -> list[tuple[object, str]]:
-        """Where ``__call__``, ``amx_linear`` and ``silu_mul`` find their
+        """Where ``__call__``, ``amx_linear``, ``panels_linear`` and ``silu_mul`` find their
         native functions (``kiln.graphs.cpu``). A call made elsewhere would be
         left out of a replay without a word: these do no torch work a capture
         could refuse."""
         return [(self, "_linear"), (self, "_fn"), (self, "_amx_linear_ext"), (self, "_amx_linear"),
-                (self, "_silu_mul_ext"), (self, "_silu_mul")]
+                (self, "_panels_linear_ext"), (self, "_panels_linear"), (self, "_silu_mul_ext"), (self, "_silu_mul")]
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None,
                  offsets: torch.Tensor | None, bias: torch.Tensor | None, kind: str) -> torch.Tensor:

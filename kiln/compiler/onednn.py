@@ -50,6 +50,22 @@ runs, 2026-12-05). 64 requests of ``python -m bench.decode --throughput 64
 (bench/results/decode-throughput-cpu-20261205-091908.json and the run after
 it). The tiles give a row the same bits whatever it is batched with.
 
+Where kiln's C kernel is built with AVX-512 (``CpuLinearKernel.panels``), the
+op hands its fp32 linears, at any number of rows, to that kernel's panels
+(``kiln_panels_linear``), on the weights laid out once by ``prepack``: outer
+products of 8 rows by 48 columns in registers, each thread asking for its
+next panel's weights while it computes the current one, where oneDNN read
+its reordered weights and computed in turn. The linears of a decode step of
+the 135M shape, weights read from memory, took 22.6-23.0 ms against oneDNN's
+31.5-31.9 at 16 rows, 48.7-50.0 against 67.9-71.4 at 64, and 347 against
+352-367 at 512 (2 threads of an Intel Xeon, scratch runs, 2026-12-07; the
+``panels_step`` of ``python -m bench.cpu_kernels --only step-linears``).
+Its calls are native ones a CPU call graph records, so fp32 decode steps of
+more than 16 requests are captured too (``kiln.config``). 64 requests of
+``python -m bench.decode --throughput 64 --dtype float32``, taking turns with
+the build before: 352.6 -> 404.9 output tok/s, 2.60x -> 3.07x transformers
+(bench/results/decode-throughput-cpu-*.json of 2026-12-07).
+
 Where oneDNN has no bf16 kernels for the CPU (AVX2 without AVX-512), torch's
 bf16 linear runs an emulation: on 2 cores of a Zen 3 EPYC, 512 rows of the
 135M shape's 576 -> 1536 layer took 52 ms, its fp32 product 5.8, and the fp32
@@ -61,13 +77,15 @@ for the product, which is rounded to bf16 once, as the few-token pieces' C
 kernel does. The widened weights are not kept: a copy per call costs a
 pass over the weight, against holding every weight three times.
 
-The fp32 and natively computed bf16 weights are reordered when the compiled
-pieces are loaded, in a thread of their own (``prepack``), and each copy kept
-while its weight lives: the linear weights are then held twice, as they are
-for the few-token pieces (``kiln.compiler.cpu_linear``, faster there) and
-reordered (``reordered_weight_bytes`` in the startup report). The reordered
-weight gives the same result, bit for bit, so the op takes a weight as it is
-until its copy is there.
+The fp32 and natively computed bf16 weights that no kernel of kiln's lays
+out are reordered when the compiled pieces are loaded, in a thread of their
+own (``prepack``), and each copy kept while its weight lives: the linear
+weights are then held twice, as they are for the few-token pieces
+(``kiln.compiler.cpu_linear``, faster there) and reordered or laid out
+(``reordered_weight_bytes`` in the startup report). The reordered weight
+gives the same result, bit for bit, so the op takes a weight as it is until
+its copy is there; a kernel's layout does not, so it is made before the
+pieces run (``prepack``).
 
 Inductor lowers ``mkldnn._linear_pointwise`` only for weights frozen into the
 graph as constants; kiln's weights are graph inputs (a compiled entry holds no
@@ -82,7 +100,7 @@ from __future__ import annotations
 import copy
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,8 +111,9 @@ from torch import fx
 from kiln.compiler.cpu_linear import CpuLinearKernel
 from kiln.models.memory import lowest_priority
 
-__all__ = ["AMX_MAX_ROWS", "AmxWeight", "DTYPES", "REWRITE_DTYPES", "WIDENED", "available", "implementation",
-           "onednn_linear", "packed", "packed_bytes", "prepack", "qualifies", "rewrite_linears", "takes"]
+__all__ = ["AMX_MAX_ROWS", "DTYPES", "KernelWeight", "REWRITE_DTYPES", "WIDENED", "available", "implementation",
+           "kernel_weight", "onednn_linear", "packed", "packed_bytes", "prepack", "qualifies", "rewrite_linears",
+           "takes"]
 
 
 def available(device: torch.device) -> bool:
@@ -155,30 +174,49 @@ AMX_MAX_ROWS = 512
 
 
 @dataclass(frozen=True)
-class AmxWeight:
-    """A bf16 weight laid out as the AMX tiles of kiln's C kernel
-    (``CpuLinearKernel.amx_tiles``), which then computes the op in its place."""
+class KernelWeight:
+    """A weight laid out for one of kiln's C kernels, which then computes the
+    op in its place: a bf16 weight as AMX tiles (``CpuLinearKernel.amx_tiles``)
+    up to ``AMX_MAX_ROWS`` rows, an fp32 one as panels
+    (``CpuLinearKernel.f32_panels``) at any number of rows."""
 
-    kernel: CpuLinearKernel
-    tiles: torch.Tensor
+    linear: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor | None], torch.Tensor]  # the kernel's call
+    layout: torch.Tensor
     rows: int  # the weight's N
+    max_rows: int | None  # the most activation rows the kernel takes (None: any); oneDNN takes more
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether the kernel computes ``x``'s product (its rows within ``max_rows``)."""
+        return self.max_rows is None or x.numel() <= self.max_rows * x.shape[-1]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.kernel.amx_linear(x, self.tiles, self.rows, bias)
+        return self.linear(x, self.layout, self.rows, bias)
 
 
-def packed(weight: torch.Tensor, kernel: CpuLinearKernel | None = None) -> torch.Tensor | AmxWeight:
+def kernel_weight(weight: torch.Tensor, kernel: CpuLinearKernel | None) -> KernelWeight | None:
+    """``weight`` laid out for ``kernel``: its AMX tiles (bf16, where it has
+    them), else its fp32 panels (where it has them); None where it takes
+    neither."""
+    if kernel is None:
+        return None
+    tiles = kernel.amx_tiles(weight)
+    if tiles is not None:
+        return KernelWeight(kernel.amx_linear, tiles, weight.shape[0], AMX_MAX_ROWS)
+    panels = kernel.f32_panels(weight)
+    if panels is not None:
+        return KernelWeight(kernel.panels_linear, panels, weight.shape[0], None)
+    return None
+
+
+def packed(weight: torch.Tensor, kernel: CpuLinearKernel | None = None) -> torch.Tensor | KernelWeight:
     """``weight``'s copy for the op, made on the first call and kept while the
-    weight's storage lives: its AMX tiles where ``kernel`` has them and takes
-    the weight (bf16, ``CpuLinearKernel.amx_tiles``), else the weight
-    reordered into oneDNN's blocked layout."""
+    weight's storage lives: laid out for ``kernel`` where it takes the
+    weight (``kernel_weight``), else reordered into oneDNN's blocked layout."""
     key = _key(weight)
     copy_ = _PACKED.get(key)
     if copy_ is None:
-        tiles = kernel.amx_tiles(weight) if kernel is not None else None
-        if tiles is not None:
-            copy_ = AmxWeight(kernel, tiles, weight.shape[0])  # type: ignore[arg-type]
-        else:
+        copy_ = kernel_weight(weight, kernel)
+        if copy_ is None:
             copy_ = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
         _PACKED[key] = copy_
         weakref.finalize(weight.untyped_storage(), _PACKED.pop, key, None)
@@ -196,18 +234,20 @@ def prepack(weights: Iterable[torch.Tensor], *, background: bool = False, kernel
     twice, as a tied LM head is, counted once) and, with ``background``, the
     thread making oneDNN's, at the lowest CPU priority: the op uses each
     weight as it is until its copy is there, with the same result, so a start
-    need not wait the 0.3 s the 135M shape's fp32 weights take. The AMX tiles
-    of ``kernel`` (bf16 weights it takes, ``CpuLinearKernel.amx_tiles``) are
-    made before this returns: the tiles and oneDNN round a few outputs in
-    10^4 to different bf16 neighbours, and a request's tokens should not
-    depend on when a thread got to its weights. They are a reordering at the
-    speed of memory (the 135M shape's 269 MB: about 0.05 s here)."""
+    need not wait the 0.3 s the 135M shape's fp32 weights take. The layouts
+    of ``kernel`` (``kernel_weight``: bf16 weights as AMX tiles, fp32 ones as
+    panels) are made before this returns: the kernel's sums and oneDNN's
+    round some outputs differently, and a request's tokens should not depend
+    on when a thread got to its weights. They are a reordering at about the
+    speed of memory (the 135M shape's 269 MB of bf16 tiles: about 0.05 s
+    here; its 538 MB of fp32 panels, the tied head's included: 0.09-0.10 s
+    with 2 threads, on memory already touched)."""
     unique = {_key(w): w for w in weights if _reorderable(w)}
     todo = list(unique.values())
     nbytes = sum(w.numel() * w.element_size() for w in todo)
-    if kernel is not None and kernel.amx:
+    if kernel is not None:
         for w in todo:
-            if w.dtype == torch.bfloat16:
+            if (kernel.amx and w.dtype == torch.bfloat16) or (kernel.panels and w.dtype == torch.float32):
                 packed(w, kernel)
         todo = [w for w in todo if _key(w) not in _PACKED]
 
@@ -228,7 +268,7 @@ def prepack(weights: Iterable[torch.Tensor], *, background: bool = False, kernel
 
 def packed_bytes() -> int:
     """Bytes held by the copies (reordered, or AMX tiles) of the weights alive in this process."""
-    copies = [c.tiles if isinstance(c, AmxWeight) else c for c in _PACKED.values()]
+    copies = [c.layout if isinstance(c, KernelWeight) else c for c in _PACKED.values()]
     return sum(c.numel() * c.element_size() for c in copies)
 
 
@@ -242,8 +282,8 @@ def implementation(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                                                   None if bias is None else bias.float(), "none", [], "")
         return wide.to(x.dtype)
     copy_ = _PACKED.get(_key(weight))
-    if isinstance(copy_, AmxWeight):
-        if x.numel() <= AMX_MAX_ROWS * x.shape[-1]:
+    if isinstance(copy_, KernelWeight):
+        if copy_.takes(x):
             return copy_(x, bias)
         copy_ = None  # oneDNN, on the weight as it is
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight if copy_ is None else copy_, bias, "none", [],

@@ -434,7 +434,8 @@ def test_every_native_function_a_step_can_call_is_a_call_graph_site(native_kerne
 
     held = {name for name, value in vars(native_kernel).items() if native(value)}
     sites = {name for holder, name in native_kernel.native_sites() if holder is native_kernel}
-    outside_a_step = {"_argmax", "_amx_pack", "replay_loop"}  # the sampler's, the load's, the replay's own
+    # the sampler's, the load's, the replay's own
+    outside_a_step = {"_argmax", "_amx_pack", "_panels_pack", "_panels_size", "replay_loop"}
     missed = held - outside_a_step - sites
     assert not missed, f"native functions no CPU call graph records: {missed}"
     assert {"_fn", "_linear"} <= held  # the test sees the kernel's functions at all
@@ -558,6 +559,82 @@ def test_amx_tiles_are_made_only_for_weights_the_kernel_takes(native_kernel) -> 
                     torch.randn(48, 64).half(),
                     torch.randn(64).bfloat16()):
         assert native_kernel.amx_tiles(refused) is None
+
+
+# ------------------------------------------------------------ fp32 panels
+def test_the_builds_with_avx512_have_the_fp32_panels(kernel) -> None:
+    """An AVX2 build leaves the panels out, and its entry points refuse."""
+    assert kernel.panels == (kernel.isa != "avx2" and "f32" in kernel.kinds)
+    if not kernel.panels:
+        assert kernel.f32_panels(torch.randn(48, 64)) is None
+        library = ctypes.CDLL(str(kernel.path))
+        i64 = ctypes.c_int64
+        assert library.kiln_panels() == 0
+        assert library.kiln_panels_linear(None, i64(64), i64(1), i64(64), None, i64(48), None, None, i64(48), 1) == -1
+
+
+needs_avx512 = pytest.mark.skipif("avx512f" not in cpu_flags(), reason="the CPU has no AVX-512 (no fp32 panels)")
+
+
+@needs_avx512
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 64, 300])
+@pytest.mark.parametrize("n, k", [(48, 64), (100, 70), (1, 3), (49, 1536)])  # whole panels, then partial ones
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_panels_compute_the_linear(native_kernel, rows: int, n: int, k: int, bias: bool) -> None:
+    kernel = native_kernel
+    g = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    panels = kernel.f32_panels(w)
+    assert panels is not None and panels.numel() == (n + 47) // 48 * 48 * k
+    got = kernel.panels_linear(x, panels, n, b)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    # fp32 sums of k products in another order than the float64 reference
+    torch.testing.assert_close(got.double(), want, atol=1e-5 * k, rtol=1e-5)
+
+
+@needs_avx512
+def test_fp32_panels_give_a_row_the_same_bits_in_any_batch_and_layout(native_kernel) -> None:
+    """Each output is one chain of fused multiply-adds over K in order,
+    whatever the rows around it, their stride, the threads or the chunk of
+    rows it falls in: a request's logits do not depend on its batch."""
+    kernel = native_kernel
+    g = torch.Generator().manual_seed(4)
+    wide = torch.randn(600, 160, generator=g)
+    x = wide[:, 32:128]  # rows with a stride of 160
+    w = torch.randn(100, 96, generator=g)
+    b = torch.randn(100, generator=g)
+    panels = kernel.f32_panels(w)
+    full = kernel.panels_linear(x, panels, 100, b)
+    for rows in (1, 7, 16, 33, 257, 599):  # 257: past the first chunk of 256 rows
+        assert torch.equal(kernel.panels_linear(x[:rows], panels, 100, b), full[:rows])
+        assert torch.equal(kernel.panels_linear(x[-rows:].contiguous(), panels, 100, b), full[-rows:])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(kernel.panels_linear(x, panels, 100, b), full)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(kernel.panels_linear(x[:6].reshape(2, 3, 96), panels, 100, b), full[:6].view(2, 3, 100))
+    assert kernel.panels_linear(x[:0], panels, 100, b).shape == (0, 100)
+
+
+@needs_avx512
+def test_fp32_panels_are_made_only_for_weights_the_kernel_takes(native_kernel) -> None:
+    kernel = native_kernel
+    assert kernel.f32_panels(torch.randn(48, 64).t().contiguous().t()) is not None  # any strides
+    for refused in (torch.randn(48, 64).bfloat16(), torch.randn(48, 64).half(), torch.randn(64)):
+        assert kernel.f32_panels(refused) is None
+    library = ctypes.CDLL(str(kernel.path))
+    i64 = ctypes.c_int64
+    x = torch.randn(2, 64)
+    # rows shorter than K, or an output row shorter than N: refused, nothing written
+    assert library.kiln_panels_linear(ctypes.c_void_p(x.data_ptr()), i64(32), i64(2), i64(64), None, i64(48), None,
+                                      None, i64(48), 1) == -1
+    assert library.kiln_panels_linear(ctypes.c_void_p(x.data_ptr()), i64(64), i64(2), i64(64), None, i64(48), None,
+                                      None, i64(40), 1) == -1
 
 
 # ------------------------------------------------------------ SiLU times up

@@ -219,19 +219,58 @@ def test_bf16_weights_get_amx_tiles_before_prepack_returns(amx_kernel, backgroun
     nbytes, thread = onednn.prepack([w, odd, f32], background=background, kernel=amx_kernel)
     assert nbytes == 160 * 96 * 2 + 40 * 96 * 2 + 160 * 96 * 4
     tiles = onednn._PACKED[onednn._key(w)]  # there already, whether or not the thread has run
-    assert isinstance(tiles, onednn.AmxWeight) and tiles.rows == 160
+    assert isinstance(tiles, onednn.KernelWeight) and tiles.rows == 160
     if thread is not None:
         thread.join(timeout=60)
-    assert not isinstance(onednn.packed(odd), onednn.AmxWeight) and not isinstance(onednn.packed(f32), onednn.AmxWeight)
+    assert not isinstance(onednn.packed(odd), onednn.KernelWeight)
+    assert not isinstance(onednn.packed(f32), onednn.KernelWeight)  # this kernel's build has no fp32 panels
     assert onednn.packed_bytes() == before + nbytes
     b = torch.randn(160, generator=g).bfloat16()
     for rows in (5, onednn.AMX_MAX_ROWS):  # the tiles' products
         x = torch.randn(rows, 96, generator=g).bfloat16()
-        assert torch.equal(onednn.implementation(x, w, b), amx_kernel.amx_linear(x, tiles.tiles, 160, b))
-        assert torch.equal(onednn.onednn_linear(x, w, b), amx_kernel.amx_linear(x, tiles.tiles, 160, b))
+        assert torch.equal(onednn.implementation(x, w, b), amx_kernel.amx_linear(x, tiles.layout, 160, b))
+        assert torch.equal(onednn.onednn_linear(x, w, b), amx_kernel.amx_linear(x, tiles.layout, 160, b))
     x = torch.randn(onednn.AMX_MAX_ROWS + 1, 96, generator=g).bfloat16()  # more rows: oneDNN's, on the weight as it is
     plain = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     assert torch.equal(onednn.implementation(x, w, b), plain)
     del tiles
     del w  # the tiles go with the weight
     assert onednn.packed_bytes() == before + nbytes - 160 * 96 * 2
+
+
+@pytest.fixture(scope="module")
+def panels_kernel(tmp_path_factory: pytest.TempPathFactory) -> cpu_linear.CpuLinearKernel:
+    """The C kernel built for fp32 alone (its panels), where this CPU has AVX-512."""
+    root = tmp_path_factory.mktemp("inductor")
+    kernel = cpu_linear.CpuLinearKernel(root / cpu_linear.build(root, {"f32"}))
+    if not kernel.panels:
+        pytest.skip("the kernel's build for this CPU has no fp32 panels (AVX2)")
+    return kernel
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_fp32_weights_get_panels_before_prepack_returns(panels_kernel, background: bool) -> None:
+    """At every row count: the panels beat oneDNN's reordered weights from 16
+    rows to 512 (kiln_panels_linear in cpu_linear.c)."""
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(100, 96, generator=g)
+    b16 = torch.randn(64, 96, generator=g).bfloat16()  # not the fp32 panels'
+    before = onednn.packed_bytes()
+    nbytes, thread = onednn.prepack([w, w, b16], background=background, kernel=panels_kernel)
+    assert nbytes == 100 * 96 * 4 + (64 * 96 * 2 if torch.bfloat16 in onednn.DTYPES else 0)
+    panels = onednn._PACKED[onednn._key(w)]  # there already, whether or not the thread has run
+    assert isinstance(panels, onednn.KernelWeight) and panels.rows == 100 and panels.max_rows is None
+    if thread is not None:
+        thread.join(timeout=60)
+    assert not isinstance(onednn.packed(b16), onednn.KernelWeight)
+    padded = 144 * 96 * 4  # two panels of 48 columns
+    assert onednn.packed_bytes() == before + padded + (64 * 96 * 2 if torch.bfloat16 in onednn.DTYPES else 0)
+    bias = torch.randn(100, generator=g)
+    for rows in (5, 64, 2049):
+        x = torch.randn(rows, 96, generator=g)
+        want = panels_kernel.panels_linear(x, panels.layout, 100, bias)
+        assert torch.equal(onednn.implementation(x, w, bias), want)
+        assert torch.equal(onednn.onednn_linear(x, w, bias), want)
+        torch.testing.assert_close(want, F.linear(x, w, bias), atol=1e-4, rtol=1e-5)
+    del panels, w
+    assert onednn.packed_bytes() == before + (64 * 96 * 2 if torch.bfloat16 in onednn.DTYPES else 0)
