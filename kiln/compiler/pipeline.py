@@ -166,8 +166,10 @@ class CompiledModel:
         return out[0] if isinstance(out, (tuple, list)) else out
 
     def reorder_weights(self, max_rows: int) -> int:
-        """Start reordering for oneDNN, in a thread (``self.reordering``), the
-        weights its many-row pieces hand to it (``kiln.compiler.onednn``):
+        """Lay out for the C kernel (its AMX tiles and fp32 panels, before
+        this returns) and start reordering for oneDNN, in a thread
+        (``self.reordering``), the weights its many-row pieces hand to
+        ``kiln::onednn_linear`` (``kiln.compiler.onednn``):
         every dense linear's of ``onednn.REWRITE_DTYPES`` (fp32, bf16), and
         the LM head's when a step can sample more rows (``max_rows``) than
         the C kernel or the compiled heads take. Returns the bytes the copies

@@ -638,7 +638,8 @@ def load_engine(path: "str | Path", **kwargs: Any) -> LoadedEngine:
     reordered = 0
     if compiled is not None:
         phases.seconds.update(compiled.stats.phases)
-        reordered = compiled.model.reorder_weights(config.max_num_seqs)  # in a thread: nothing waits
+        with phases("layout_weights"):  # the C kernel's layouts; oneDNN's copies in a thread, which nothing waits for
+            reordered = compiled.model.reorder_weights(config.max_num_seqs)
     with phases("allocate_kv_cache"):
         kv_caches = allocate_kv_cache(config, size_kv_cache(config, model, compiled and compiled.model))
     engine = build_engine(config, model, compiled and compiled.model, kv_caches, background)
