@@ -58,13 +58,17 @@ next panel's weights while it computes the current one, where oneDNN read
 its reordered weights and computed in turn. The linears of a decode step of
 the 135M shape, weights read from memory, took 22.6-23.0 ms against oneDNN's
 31.5-31.9 at 16 rows, 48.7-50.0 against 67.9-71.4 at 64, and 347 against
-352-367 at 512 (2 threads of an Intel Xeon, scratch runs, 2026-12-07; the
-``panels_step`` of ``python -m bench.cpu_kernels --only step-linears``).
-Its calls are native ones a CPU call graph records, so fp32 decode steps of
-more than 16 requests are captured too (``kiln.config``). 64 requests of
-``python -m bench.decode --throughput 64 --dtype float32``, taking turns with
-the build before: 352.6 -> 404.9 output tok/s, 2.60x -> 3.07x transformers
-(bench/results/decode-throughput-cpu-*.json of 2026-12-07).
+352-367 at 512 (2 threads of an Intel Xeon, scratch runs, 2026-12-07). With
+the LM head, in ``python -m bench.cpu_kernels --only step-linears``
+(bench/results/step-linears-cpu-20261207-045821.json, a slower hour): 32.6,
+36.3, 47.3 and 63.2 ms at 16, 32, 48 and 64 rows against oneDNN's 39.1,
+59.7, 76.9 and 79.5. Its calls are native ones a CPU call graph records, so
+fp32 decode steps of more than 16 requests are captured too
+(``kiln.config``). 64 requests of ``python -m bench.decode --throughput 64
+--dtype float32``, two rounds taking turns with the commit before: 352.6 ->
+404.9 and 360.7 -> 437.7 output tok/s, 2.60x -> 3.07x and 2.74x -> 3.32x
+transformers (bench/results/decode-throughput-cpu-20261207-045000.json,
+-044632, -050205, -050531).
 
 Where oneDNN has no bf16 kernels for the CPU (AVX2 without AVX-512), torch's
 bf16 linear runs an emulation: on 2 cores of a Zen 3 EPYC, 512 rows of the
