@@ -194,7 +194,6 @@ class CpuLinearKernel:
         # the library was built for a CPU with them and Linux grants them to
         # this process (False in a library built before it was there)
         self.amx: bool = hasattr(library, "kiln_amx") and library.kiln_amx() == 1
-        self.policy = LinearPolicy(self.kinds, self.max_rows.get("f32", MAX_ROWS), tiles=self.amx)
         self._amx_pack: Any = _declared(library, "kiln_amx_pack", [p, i64, i64, p, i32]) if self.amx else None
         self._amx_linear: Any = (_declared(library, "kiln_amx_linear", [p, i64, i64, i64, p, i64, p, p, i64, i32])
                                  if self.amx else None)
@@ -206,6 +205,13 @@ class CpuLinearKernel:
         self._panels_pack: Any = _declared(library, "kiln_panels_pack", [p, i64, i64, p, i32]) if self.panels else None
         self._panels_linear: Any = (_declared(library, "kiln_panels_linear", [p, i64, i64, i64, p, i64, p, p, i64, i32])
                                     if self.panels else None)
+        # fp32 rows past the few-row loop's 8 go to the panels where there are any: at 9 to 16
+        # rows a step's linears took 29.4-32.6 ms there against the loop's 34.8-36.9
+        # (bench/results/step-linears-cpu-20261207-045821.json); 16 fp32 requests of 128
+        # new tokens, two rounds taking turns: 58.5 and 52.4 -> 52.5 and 50.8 ms a step
+        # (decode-throughput-cpu-20261207-051135, -051824 -> -051530, -052108)
+        self.policy = LinearPolicy(self.kinds, MAX_ROWS if self.panels else self.max_rows.get("f32", MAX_ROWS),
+                                   tiles=self.amx)
         # kiln_silu_mul: the gated MLP's activation (kiln.compiler.activation)
         self._silu_mul: Any = _declared(library, "kiln_silu_mul", [p, i64, i64, i64, p, i64, i32, i32])
         for ext, c in ((self._linear, self._fn), (self._amx_linear_ext, self._amx_linear),

@@ -188,7 +188,7 @@ class CompiledModel:
         elif kernel.policy.to_tiles(kind):
             few = 0  # a bf16 head on the AMX tiles, which need its copy
         else:
-            few = kernel.max_rows[kind]
+            few = kernel.policy.most_rows(kind)
         if fmt is None and max_rows > few:
             weights.append(tensors[0])
         nbytes, self.reordering = onednn.prepack(weights, background=True, kernel=kernel)
@@ -240,7 +240,7 @@ class CompiledModel:
             return None
         if kernel.policy.to_tiles(kind) and onednn.takes(hidden, tensors[0]):
             return onednn.implementation(hidden, tensors[0], None)
-        most = WIDENED_HEAD_MAX_ROWS if hidden.dtype in onednn.WIDENED else kernel.max_rows[kind]
+        most = WIDENED_HEAD_MAX_ROWS if hidden.dtype in onednn.WIDENED else kernel.policy.most_rows(kind)
         if hidden.shape[0] > most:
             return None
         return kernel(hidden, tensors[0], None, None, None, kind)
