@@ -128,9 +128,12 @@ def test_dispatch_prefers_exact_size_then_range(llama_checkpoint) -> None:
         assert backend.select(4)[1] == 4
         assert backend.select(5)[1] == "range"
     else:
-        # an fp32 model: the kernel's blocked fp32 rows take up to 16 a call
-        assert backend.few_rows == (2, 16) and not set(backend.exact) & {2, 4}
-        assert [backend.select(n)[1] for n in (1, 2, 3, 4, 8, 9, 16, 17)] == [1, *["few"] * 6, "range"]
+        # an fp32 model: the few-row runnable up to the rows the kernel's policy gives its loop (16 a call,
+        # or 8 where its fp32 panels take more)
+        few = rt.compiled.model.linear_kernel.policy.f32_rows
+        assert backend.few_rows == (2, few) and not set(backend.exact) & {2, 4}
+        assert [backend.select(n)[1] for n in (1, 2, 3, 4, 8, 9, 16, 17)] == [
+            1, *["few"] * 4, *["few" if n <= few else "range" for n in (9, 16)], "range"]
     with pytest.raises(TokenCountError, match="no compiled runnable covers 100000 tokens"):
         backend.select(100000)
     with pytest.raises(TokenCountError):
@@ -148,14 +151,16 @@ def test_steps_of_two_to_eight_tokens_give_transformers_tokens(compiled_llama) -
     assert last == ({"range"} if CPU_LM_HEADS else {"few"})
 
 
-def test_the_fp32_lm_head_is_the_c_kernel_up_to_sixteen_rows(compiled_llama) -> None:
+def test_the_fp32_lm_head_is_the_c_kernel_up_to_its_few_rows(compiled_llama) -> None:
+    """The few-row loop takes up to 16 rows, or 8 where the kernel's fp32
+    panels take more (through the op, ``onednn.implementation``)."""
     rt, model = compiled_llama
     compiled = rt.compiled.model
     kernel, weight = compiled.linear_kernel, compiled.model.logits_inputs()[0][0]
     for rows in (1, 5, 8, 9, 16, 17):
         hidden = torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(rows))
         logits = compiled.compute_logits(hidden)
-        if kernel is not None and rows <= 16:
+        if kernel is not None and rows <= kernel.policy.most_rows("f32"):
             assert torch.equal(logits, kernel(hidden, weight, None, None, None, "f32"))
         elif onednn.available(hidden.device):
             assert torch.equal(logits, onednn.implementation(hidden, weight, None))
@@ -195,8 +200,9 @@ def test_user_compile_sizes_reach_the_runtime(llama_checkpoint) -> None:
     assert rt.startup_report["inductor_compiles"] == 3 * 2 + (1 if CPU_LM_HEADS else 0)
     if CPU_LM_HEADS:
         assert all(sorted(b.exact) == [2] for b in rt.compiled.model.pieces.values())
-    else:  # size 2 is served by the few-row runnable, compiled for 2 to 16 tokens (an fp32 model)
-        assert all(not b.exact and b.few_rows == (2, 16) for b in rt.compiled.model.pieces.values())
+    else:  # size 2 is served by the few-row runnable, compiled for 2 to 16 tokens (8 with fp32 panels)
+        few = rt.compiled.model.linear_kernel.policy.f32_rows
+        assert all(not b.exact and b.few_rows == (2, few) for b in rt.compiled.model.pieces.values())
 
 
 def test_compilations_do_not_grow_with_depth(tmp_path) -> None:

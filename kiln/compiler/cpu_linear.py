@@ -188,23 +188,8 @@ class CpuLinearKernel:
         module = import_extension(path, "kiln_linear") if hasattr(library, "PyInit_kiln_linear") else None
         self._linear: Any = getattr(module, "linear", None)
         self._argmax: Any = getattr(module, "argmax", None)
-        self._amx_linear_ext: Any = getattr(module, "amx_linear", None)
         self._silu_mul_ext: Any = getattr(module, "silu_mul", None)
-        # kiln_amx_linear: bf16 linears of any number of rows on AMX tiles, where
-        # the library was built for a CPU with them and Linux grants them to
-        # this process (False in a library built before it was there)
-        self.amx: bool = hasattr(library, "kiln_amx") and library.kiln_amx() == 1
-        self._amx_pack: Any = _declared(library, "kiln_amx_pack", [p, i64, i64, p, i32]) if self.amx else None
-        self._amx_linear: Any = (_declared(library, "kiln_amx_linear", [p, i64, i64, i64, p, i64, p, p, i64, i32])
-                                 if self.amx else None)
-        # kiln_panels_linear: fp32 linears of many rows on weights laid out as panels,
-        # where the library was built with AVX-512 (False in one built before it was there)
-        self.panels: bool = hasattr(library, "kiln_panels") and library.kiln_panels() == 1
-        self._panels_linear_ext: Any = getattr(module, "panels_linear", None)
-        self._panels_size: Any = _declared(library, "kiln_panels_size", [i64, i64], i64) if self.panels else None
-        self._panels_pack: Any = _declared(library, "kiln_panels_pack", [p, i64, i64, p, i32]) if self.panels else None
-        self._panels_linear: Any = (_declared(library, "kiln_panels_linear", [p, i64, i64, i64, p, i64, p, p, i64, i32])
-                                    if self.panels else None)
+        self._declare_layouts(library, module)
         # fp32 rows past the few-row loop's 8 go to the panels where there are any: at 9 to 16
         # rows a step's linears took 29.4-32.6 ms there against the loop's 34.8-36.9
         # (bench/results/step-linears-cpu-20261207-045821.json); 16 fp32 requests of 128
@@ -221,6 +206,27 @@ class CpuLinearKernel:
         # kiln_replay: a CPU call graph's calls made from C (kiln.graphs.cpu)
         self.replay_loop: Any = _declared(library, "kiln_replay", [p, i64, ctypes.POINTER(i64)], i64)
         self.replay_args = library.kiln_replay_args() if self.replay_loop is not None else 0  # the most a call has
+
+    def _declare_layouts(self, library: ctypes.CDLL, module: Any) -> None:
+        """The kernels of weights the library lays out itself: bf16 on AMX
+        tiles (``amx``), fp32 as panels (``panels``)."""
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        # kiln_amx_linear: bf16 linears of any number of rows on AMX tiles, where
+        # the library was built for a CPU with them and Linux grants them to
+        # this process (False in a library built before it was there)
+        self.amx: bool = hasattr(library, "kiln_amx") and library.kiln_amx() == 1
+        self._amx_linear_ext: Any = getattr(module, "amx_linear", None)
+        self._amx_pack: Any = _declared(library, "kiln_amx_pack", [p, i64, i64, p, i32]) if self.amx else None
+        self._amx_linear: Any = (_declared(library, "kiln_amx_linear", [p, i64, i64, i64, p, i64, p, p, i64, i32])
+                                 if self.amx else None)
+        # kiln_panels_linear: fp32 linears of many rows on weights laid out as panels,
+        # where the library was built with AVX-512 (False in one built before it was there)
+        self.panels: bool = hasattr(library, "kiln_panels") and library.kiln_panels() == 1
+        self._panels_linear_ext: Any = getattr(module, "panels_linear", None)
+        self._panels_size: Any = _declared(library, "kiln_panels_size", [i64, i64], i64) if self.panels else None
+        self._panels_pack: Any = _declared(library, "kiln_panels_pack", [p, i64, i64, p, i32]) if self.panels else None
+        self._panels_linear: Any = (_declared(library, "kiln_panels_linear", [p, i64, i64, i64, p, i64, p, p, i64, i32])
+                                    if self.panels else None)
 
     def argmax_rows(self, t: torch.Tensor) -> list[int] | None:
         """Each row's index of its largest value, as ``t.max(dim=-1)`` picks it

@@ -271,7 +271,7 @@ def prepack(weights: Iterable[torch.Tensor], *, background: bool = False, kernel
 
 
 def packed_bytes() -> int:
-    """Bytes held by the copies (reordered, or AMX tiles) of the weights alive in this process."""
+    """Bytes held by the copies (reordered, or laid out for a kernel) of the weights alive in this process."""
     copies = [c.layout if isinstance(c, KernelWeight) else c for c in _PACKED.values()]
     return sum(c.numel() * c.element_size() for c in copies)
 
