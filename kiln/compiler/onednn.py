@@ -1,4 +1,4 @@
-"""Many-row linears through oneDNN, or bf16 ones on AMX tiles by kiln's C kernel (CPU).
+"""Many-row linears through oneDNN, or on kiln's C kernel: bf16 on AMX tiles, fp32 as panels (CPU).
 
 Above a few tokens a linear layer is a matrix product with enough rows to be
 bound by arithmetic, not by reading the weight. ``F.linear`` (and the ``mm``
