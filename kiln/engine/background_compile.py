@@ -299,8 +299,9 @@ class BackgroundCompile:
         if entry is None:
             self._fail(f"{self._entry_name()} is missing or damaged", "")
             return
-        # the AMX tiles before the first step that can use them (oneDNN's copies follow in a
-        # thread): a step on the weights as they are would round some bf16 outputs otherwise
+        # the C kernel's layouts (AMX tiles, fp32 panels) before the first step that can use them
+        # (oneDNN's copies follow in a thread): a step on the weights as they are would round
+        # some outputs otherwise
         entry.model.reorder_weights(runner.max_num_seqs)
         runner.use_compiled(entry.model)
         if self._after_swap is not None:
