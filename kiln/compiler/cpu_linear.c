@@ -1372,14 +1372,7 @@ int kiln_panels_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, c
 #else
 #define KILN_PANELS 0
 int kiln_panels(void) { return 0; }
-int64_t kiln_panels_size(int64_t n, int64_t k) {
-    (void)n, (void)k;
-    return 0;
-}
-int kiln_panels_pack(const float *w, int64_t n, int64_t k, float *wp, int threads) {
-    (void)w, (void)n, (void)k, (void)wp, (void)threads;
-    return -1;
-}
+/* (kiln_panels_size and kiln_panels_pack are only declared where kiln_panels says 1) */
 int kiln_panels_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *wp, int64_t n,
                        const float *bias, float *out, int64_t out_stride, int threads) {
     (void)x, (void)x_stride, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)out, (void)out_stride,

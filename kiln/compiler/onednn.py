@@ -216,15 +216,20 @@ def packed(weight: torch.Tensor, kernel: CpuLinearKernel | None = None) -> torch
     """``weight``'s copy for the op, made on the first call and kept while the
     weight's storage lives: laid out for ``kernel`` where it takes the
     weight (``kernel_weight``), else reordered into oneDNN's blocked layout."""
-    key = _key(weight)
-    copy_ = _PACKED.get(key)
+    copy_ = _PACKED.get(_key(weight))
     if copy_ is None:
         copy_ = kernel_weight(weight, kernel)
         if copy_ is None:
             copy_ = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
-        _PACKED[key] = copy_
-        weakref.finalize(weight.untyped_storage(), _PACKED.pop, key, None)
+        _keep(weight, copy_)
     return copy_
+
+
+def _keep(weight: torch.Tensor, copy_: torch.Tensor | KernelWeight) -> None:
+    """Hold ``copy_`` for ``weight`` until the weight's storage is freed."""
+    key = _key(weight)
+    _PACKED[key] = copy_
+    weakref.finalize(weight.untyped_storage(), _PACKED.pop, key, None)
 
 
 def _key(weight: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
@@ -249,11 +254,11 @@ def prepack(weights: Iterable[torch.Tensor], *, background: bool = False, kernel
     unique = {_key(w): w for w in weights if _reorderable(w)}
     todo = list(unique.values())
     nbytes = sum(w.numel() * w.element_size() for w in todo)
-    if kernel is not None:
-        for w in todo:
-            if (kernel.amx and w.dtype == torch.bfloat16) or (kernel.panels and w.dtype == torch.float32):
-                packed(w, kernel)
-        todo = [w for w in todo if _key(w) not in _PACKED]
+    for w in todo:  # the kernel's layouts now; oneDNN's copies of the rest below
+        laid_out = kernel_weight(w, kernel) if _key(w) not in _PACKED else None
+        if laid_out is not None:
+            _keep(w, laid_out)
+    todo = [w for w in todo if _key(w) not in _PACKED]
 
     def run() -> None:
         if background:
