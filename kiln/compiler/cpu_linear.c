@@ -172,16 +172,18 @@ static inline __m256 load_bf16(const uint16_t *p) {
 /* ------------------------------------------------------------ dense weights
  * One weight row at a time, each vector of it multiplied into all M
  * activation rows; two accumulators per activation row (K unrolled by two
- * vectors) while M <= 4, one beyond, so that they all stay in registers. A
+ * vectors) while M <= 4, one beyond, so that they all stay in registers
+ * (``order``: the M whose order of sums a call follows, M itself but for the
+ * greedy screen's recheck of one row, kiln_greedy_screen). A
  * block of several weight rows at once was slower (1.1-1.7x; several streams
  * instead of one). */
 #define DENSE_ROW(NAME, WTYPE, LOADW, TOF)                                                     \
 static inline __attribute__((always_inline)) void NAME(                                      \
-        const float *x, int64_t k, const WTYPE *w, const int m, float *res) {                \
+        const float *x, int64_t k, const WTYPE *w, const int m, const int order, float *res) { \
     vfloat a0[KILN_MAX_ROWS], a1[KILN_MAX_ROWS];                                             \
     _Pragma("GCC unroll 8") for (int i = 0; i < m; i++) a0[i] = a1[i] = vzero();             \
     int64_t c = 0;                                                                           \
-    if (m <= 4)                                                                              \
+    if (order <= 4)                                                                          \
         for (; c + 2 * VW <= k; c += 2 * VW) {                                               \
             prefetch_ahead(w + c);                                                           \
             const vfloat w0 = LOADW(w + c), w1 = LOADW(w + c + VW);                          \
@@ -766,12 +768,13 @@ static inline __attribute__((always_inline)) void rows_dense(
         const void *bias, void *out, int out_bf16, int64_t out_stride) {
     float res[KILN_MAX_ROWS];
     for (int64_t j = j0; j < j1; j++) {
-        if (KILN_HAS(KIND_F32) && kind == KIND_F32) dense_f32((const float *)xa, k, (const float *)w + j * k, m, res);
+        if (KILN_HAS(KIND_F32) && kind == KIND_F32)
+            dense_f32((const float *)xa, k, (const float *)w + j * k, m, m, res);
 #if KILN_DPBF16
         else if (KILN_HAS(KIND_BF16) && kind == KIND_BF16_DP)
             dense_bf16_dp((const uint16_t *)xa, k, (const uint16_t *)w + j * k, m, res);
 #endif
-        else if (KILN_HAS(KIND_BF16)) dense_bf16((const float *)xa, k, (const uint16_t *)w + j * k, m, res);
+        else if (KILN_HAS(KIND_BF16)) dense_bf16((const float *)xa, k, (const uint16_t *)w + j * k, m, m, res);
         _Pragma("GCC unroll 8") for (int i = 0; i < m; i++)
             store(out, out_bf16, i * out_stride + j, res[i] + bias_at(bias, out_bf16, j));
     }
@@ -795,7 +798,7 @@ static void rows_f32_block(const float *x, int m, int mp, int64_t k, const float
     for (; j < j1; j++)
         for (int i0 = 0; i0 < m; i0 += KILN_MAX_ROWS) {
             const int part = m - i0 < KILN_MAX_ROWS ? m - i0 : KILN_MAX_ROWS;
-            dense_f32(x + i0 * k, k, w + j * k, part, res);
+            dense_f32(x + i0 * k, k, w + j * k, part, part, res);
             for (int i = 0; i < part; i++) out[(i0 + i) * out_stride + j] = res[i] + (bias ? bias[j] : 0.0f);
         }
 }
@@ -1056,7 +1059,7 @@ done:
  * bits. A 64-request bf16 decode step of the 135M shape: 41.3-43.6 against
  * 42.8-44.8 ms, the same tokens (scratch A/B, two rounds taking turns). */
 #if KILN_AVX512 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    (KILN_KINDS >> 1 & 1) /* KIND_BF16 (an enum, which #if cannot read) */
+    (KILN_KINDS & 3) /* KIND_F32 or KIND_BF16 (an enum, which #if cannot read): fp32's greedy screen uses it */
 #define KILN_AMX 1
 #include <unistd.h>
 #include <sys/syscall.h>
@@ -1390,10 +1393,14 @@ int kiln_panels_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, c
 #if KILN_AVX512
 static inline unsigned vmask_eq(vfloat a, vfloat b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
 static inline unsigned vmask_nan(vfloat a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+static inline unsigned vmask_ge(vfloat a, vfloat b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
 static inline float vhmax(vfloat v) { return _mm512_reduce_max_ps(v); }
 #else
 static inline unsigned vmask_eq(vfloat a, vfloat b) { return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }
 static inline unsigned vmask_nan(vfloat a) { return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
+static inline unsigned vmask_ge(vfloat a, vfloat b) {
+    return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ));
+}
 static inline float vhmax(vfloat v) {
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
@@ -1442,6 +1449,120 @@ int kiln_argmax(const void *x, int x_bf16, int64_t rows, int64_t n, int64_t stri
 #pragma omp parallel for num_threads(threads) if (rows > 1) schedule(static)
     for (int64_t r = 0; r < rows; r++)
         out[r] = x_bf16 ? argmax_bf16((const uint16_t *)x + r * stride, n) : argmax_f32((const float *)x + r * stride, n);
+    return 0;
+}
+
+/* ------------------------------------------------------- greedy screen
+ * The greedy tokens of an fp32 LM head without its fp32 product: the head is
+ * first computed in bf16 on the AMX tiles (x and W rounded to bf16, the
+ * products summed in fp32, the sums rounded to bf16: ``s``), which reads half
+ * the bytes and multiplies 16 times faster; then only the columns whose fp32
+ * logit could still be the largest are computed in fp32, in exactly the
+ * order of the kernel that computes the whole head at this batch, so the
+ * token is the argmax of the logits that kernel would have made, bit for bit.
+ *
+ * Why it is exact: |s_j - f_j| <= e_j for every column j, f_j being the fp32
+ * logit and
+ *     e_j = (2^-7 + 2^-16 + 2 K 2^-24) |x| |W_j| + 2^-8 |s_j|   (+1% and a
+ * denormal term): rounding x and W to bf16 moves each product by at most
+ * 2^-7 + 2^-16 of |x_t W_jt|, each chain of K fp32 sums by K 2^-24 of
+ * sum_t |x_t W_jt| (<= |x| |W_j|, Cauchy-Schwarz; ``wnorm`` holds |W_j|
+ * rounded up), and rounding the sum to bf16 by 2^-8 of it. With
+ * lo = max_j (s_j - e_j), every column with s_j + e_j < lo has f_j < lo <=
+ * the f of the column that reached lo, so it cannot be the argmax nor tie it;
+ * the others (the real model: a median of 2 of 49152, at most 32 over 230
+ * greedy steps, scratch) are computed exactly, and the first largest wins, as
+ * argmax_rows picks. A row with a value that is not finite, or large enough
+ * that a sum could overflow, is computed whole. */
+static float exact_logit(int order, const float *x, const float *w, int64_t k) {
+    if (order == 0) {  /* the panels' chain (panel_block): fused multiply-adds over K in order, from zero */
+        float acc = 0.0f;
+        for (int64_t t = 0; t < k; t++) acc = fmaf(x[t], w[t], acc);
+        return acc;
+    }
+    float res[KILN_MAX_ROWS];  /* dense_f32 as a call of ``order`` rows sums each row (rows_dense) */
+    dense_f32(x, k, w, 1, order, res);
+    return res[0] + 0.0f;
+}
+
+static int64_t screen_row(const float *x, int64_t k, const float *w, int64_t n, const uint16_t *s,
+                          const float *wnorm, float wnorm_max, int order) {
+    double sq = 0.0;
+    for (int64_t t = 0; t < k; t++) sq += (double)x[t] * x[t];
+    const double bound = (0x1p-7 + 0x1p-16 + 2.0 * (double)k * 0x1p-24) * 1.01 * sqrt(sq) * 1.01;
+    int whole = !(bound * wnorm_max < 0x1p100);  /* not finite, or near fp32's range */
+    const float a = (float)bound, c = 0x1p-8f * 1.02f, tiny = (float)k * 0x1p-100f;
+    float lo = -INFINITY;
+    if (!whole) {
+        vfloat m0 = vset1(-INFINITY), big = vzero();
+        int64_t j = 0;
+        for (; j + VW <= n; j += VW) {
+            const vfloat sj = load_bf16(s + j), mag = vmax(sj, vsub(vzero(), sj));
+            const vfloat e = vfmadd(vset1(a), vload(wnorm + j), vfmadd(vset1(c), mag, vset1(tiny)));
+            m0 = vmax(m0, vsub(sj, e));
+            big = vmax(big, mag);
+            if (vmask_nan(sj)) whole = 1;
+        }
+        lo = vhmax(m0);
+        float top = vhmax(big);
+        for (; j < n; j++) {
+            const float sj = bf16_to_f32(s[j]), e = a * wnorm[j] + c * fabsf(sj) + tiny;
+            if (sj != sj) whole = 1;
+            if (sj - e > lo) lo = sj - e;
+            if (fabsf(sj) > top) top = fabsf(sj);
+        }
+        if (!(top < 0x1p100f)) whole = 1;
+    }
+    int64_t best = -1;
+    float best_v = 0.0f;
+    if (whole) {  /* every column, as argmax_rows: the first NaN, else the first largest */
+        for (int64_t j = 0; j < n; j++) {
+            const float v = exact_logit(order, x, w + j * k, k);
+            if (v != v) return j;
+            if (best < 0 || v > best_v) best = j, best_v = v;
+        }
+        return best;
+    }
+    int64_t j = 0;
+    for (; j + VW <= n; j += VW) {
+        const vfloat sj = load_bf16(s + j), mag = vmax(sj, vsub(vzero(), sj));
+        const vfloat hi = vadd(sj, vfmadd(vset1(a), vload(wnorm + j), vfmadd(vset1(c), mag, vset1(tiny))));
+        unsigned cand = vmask_ge(hi, vset1(lo));
+        while (cand) {
+            const int64_t col = j + __builtin_ctz(cand);
+            cand &= cand - 1;
+            const float v = exact_logit(order, x, w + col * k, k);
+            if (best < 0 || v > best_v) best = col, best_v = v;
+        }
+    }
+    for (; j < n; j++) {
+        const float sj = bf16_to_f32(s[j]);
+        if (sj + (a * wnorm[j] + c * fabsf(sj) + tiny) >= lo) {
+            const float v = exact_logit(order, x, w + j * k, k);
+            if (best < 0 || v > best_v) best = j, best_v = v;
+        }
+    }
+    return best;
+}
+
+/* out[r]: the argmax of row r of x[M, K] @ W[N, K]^T in fp32, its sums
+ * ordered as the kernel that computes the product orders them: the panels
+ * (``panels``), else the dense rows of a call of M rows (M at most
+ * KILN_MAX_ROWS); from ``s`` [M, N] (bf16, row stride ``s_stride``), the same
+ * product in bf16 (see above), and wnorm[j] >= |W_j|. Returns 0, or -1 for
+ * arguments outside the kernel's limits. */
+int kiln_greedy_screen(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *w, int64_t n,
+                       const uint16_t *s, int64_t s_stride, const float *wnorm, int panels, int64_t *out,
+                       int threads) {
+    if (!KILN_HAS(KIND_F32) || m < 1 || k < 1 || n < 1 || x_stride < k || s_stride < n ||
+        (!panels && m > KILN_MAX_ROWS))
+        return -1;
+    float top = 0.0f;  /* the largest |W_j|, NaN if one is */
+    for (int64_t j = 0; j < n; j++) top = wnorm[j] > top || wnorm[j] != wnorm[j] ? wnorm[j] : top;
+    const int order = panels ? 0 : (int)m;
+#pragma omp parallel for num_threads(threads) if (m > 1) schedule(dynamic)
+    for (int64_t r = 0; r < m; r++)
+        out[r] = screen_row(x + r * x_stride, k, w, n, s + r * s_stride, wnorm, top, order);
     return 0;
 }
 

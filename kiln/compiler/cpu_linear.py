@@ -196,7 +196,7 @@ class CpuLinearKernel:
         # new tokens, two rounds taking turns: 58.5 and 52.4 -> 52.5 and 50.8 ms a step
         # (decode-throughput-cpu-20261207-051135, -051824 -> -051530, -052108)
         self.policy = LinearPolicy(self.kinds, MAX_ROWS if self.panels else self.max_rows.get("f32", MAX_ROWS),
-                                   tiles=self.amx)
+                                   tiles=self.amx and "bf16" in self.kinds)
         # kiln_silu_mul: the gated MLP's activation (kiln.compiler.activation)
         self._silu_mul: Any = _declared(library, "kiln_silu_mul", [p, i64, i64, i64, p, i64, i32, i32])
         for ext, c in ((self._linear, self._fn), (self._amx_linear_ext, self._amx_linear),
@@ -213,7 +213,8 @@ class CpuLinearKernel:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         # kiln_amx_linear: bf16 linears of any number of rows on AMX tiles, where
         # the library was built for a CPU with them and Linux grants them to
-        # this process (False in a library built before it was there)
+        # this process (False in a library built before it was there); a library
+        # of fp32 alone has them for its greedy screen (kiln.compiler.greedy_head)
         self.amx: bool = hasattr(library, "kiln_amx") and library.kiln_amx() == 1
         self._amx_linear_ext: Any = getattr(module, "amx_linear", None)
         self._amx_pack: Any = _declared(library, "kiln_amx_pack", [p, i64, i64, p, i32]) if self.amx else None
@@ -227,6 +228,10 @@ class CpuLinearKernel:
         self._panels_pack: Any = _declared(library, "kiln_panels_pack", [p, i64, i64, p, i32]) if self.panels else None
         self._panels_linear: Any = (_declared(library, "kiln_panels_linear", [p, i64, i64, i64, p, i64, p, p, i64, i32])
                                     if self.panels else None)
+        # kiln_greedy_screen: an fp32 head's greedy tokens from its bf16 product (kiln.compiler.greedy_head)
+        self._greedy_screen: Any = _declared(library, "kiln_greedy_screen",
+                                             [p, i64, i64, i64, p, i64, p, i64, p, i32, p, i32])
+        self.greedy_screens: bool = self.amx and self._greedy_screen is not None  # kiln.compiler.greedy_head
 
     def argmax_rows(self, t: torch.Tensor) -> list[int] | None:
         """Each row's index of its largest value, as ``t.max(dim=-1)`` picks it
@@ -288,6 +293,23 @@ class CpuLinearKernel:
         ``n``: W's rows), at any number of rows; called as ``amx_linear``."""
         return self._laid_out_linear("a panels", self._panels_linear_ext, self._panels_linear, x, panels, n, bias,
                                      torch.float32)
+
+    def greedy_screen(self, x: torch.Tensor, weight: torch.Tensor, screen: torch.Tensor, norms: torch.Tensor,
+                      panels: bool) -> list[int] | None:
+        """Each row's argmax of ``x @ weight.T`` (fp32, ``[M, K]`` by ``[N, K]``)
+        as the panels (``panels``) or the dense rows of one call of M rows
+        sum it, bit for bit, computing only the columns that ``screen`` (the
+        same product in bf16, ``[M, N]``) and ``norms`` (each weight row's
+        length, rounded up) leave in doubt (``kiln_greedy_screen``); None
+        where the library has no screen or refuses the sizes."""
+        fn = self._greedy_screen
+        if fn is None or x.dim() != 2 or x.stride(1) != 1 or screen.stride(1) != 1 or not weight.is_contiguous():
+            return None
+        m, k = x.shape
+        out = torch.empty(m, dtype=torch.int64)
+        rc = fn(x.data_ptr(), _row_stride(x), m, k, weight.data_ptr(), weight.shape[0], screen.data_ptr(),
+                _row_stride(screen), norms.data_ptr(), int(panels), out.data_ptr(), torch.get_num_threads())
+        return out.tolist() if rc == 0 else None
 
     def _laid_out_linear(self, what: str, ext: Any, fn: Any, x: torch.Tensor, layout: torch.Tensor, n: int,
                          bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

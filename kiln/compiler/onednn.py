@@ -116,8 +116,8 @@ from kiln.compiler.cpu_linear import CpuLinearKernel
 from kiln.models.memory import lowest_priority
 
 __all__ = ["AMX_MAX_ROWS", "DTYPES", "KernelWeight", "REWRITE_DTYPES", "WIDENED", "available", "implementation",
-           "kernel_weight", "onednn_linear", "packed", "packed_bytes", "prepack", "qualifies", "rewrite_linears",
-           "takes"]
+           "kernel_weight", "on_panels", "onednn_linear", "packed", "packed_bytes", "prepack", "qualifies",
+           "rewrite_linears", "takes"]
 
 
 def available(device: torch.device) -> bool:
@@ -199,11 +199,11 @@ class KernelWeight:
 
 def kernel_weight(weight: torch.Tensor, kernel: CpuLinearKernel | None) -> KernelWeight | None:
     """``weight`` laid out for ``kernel``: its AMX tiles (bf16, where it has
-    them), else its fp32 panels (where it has them); None where it takes
+    them and was built for bf16 linears), else its fp32 panels (where it has them); None where it takes
     neither."""
     if kernel is None:
         return None
-    tiles = kernel.amx_tiles(weight)
+    tiles = kernel.amx_tiles(weight) if "bf16" in kernel.kinds else None
     if tiles is not None:
         return KernelWeight(kernel.amx_linear, tiles, weight.shape[0], AMX_MAX_ROWS)
     panels = kernel.f32_panels(weight)
@@ -223,6 +223,12 @@ def packed(weight: torch.Tensor, kernel: CpuLinearKernel | None = None) -> torch
             copy_ = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
         _keep(weight, copy_)
     return copy_
+
+
+def on_panels(weight: torch.Tensor, kernel: CpuLinearKernel) -> bool:
+    """Whether ``implementation`` computes ``weight``'s products on ``kernel``'s fp32 panels."""
+    copy_ = _PACKED.get(_key(weight))
+    return isinstance(copy_, KernelWeight) and copy_.linear == kernel.panels_linear
 
 
 def _keep(weight: torch.Tensor, copy_: torch.Tensor | KernelWeight) -> None:

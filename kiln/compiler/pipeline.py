@@ -23,6 +23,7 @@ from kiln.compiler import cpu_linear, onednn
 from kiln.compiler.activation import rewrite_silu_mul
 from kiln.compiler.capture import CapturedGraph, GraphInput, capture
 from kiln.compiler.cpu_linear import DENSE_KINDS, CpuLinearKernel, LinearPolicy, dense_kind
+from kiln.compiler.greedy_head import GreedyHead
 from kiln.compiler.gemv import (
     CPU_GEMV_MAX_TOKENS, decompose_linears, kernel_takes_all, logits_head_graph, lower_quantized, packed_head_graph,
 )
@@ -120,6 +121,7 @@ class CompiledModel:
                 module.__dict__[name] = sub.forward
         self.arguments = ArgumentBinder(inputs, model)
         self.reordering: threading.Thread | None = None  # reorder_weights' thread
+        self.greedy_head: GreedyHead | None = None  # the fp32 head's greedy screen (reorder_weights)
 
     def wrap_pieces(self, wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> None:
         """Replace each compute piece's runnable by ``wrap(name, runnable)``: one
@@ -172,7 +174,8 @@ class CompiledModel:
         ``kiln::onednn_linear`` (``kiln.compiler.onednn``):
         every dense linear's of ``onednn.REWRITE_DTYPES`` (fp32, bf16), and
         the LM head's when a step can sample more rows (``max_rows``) than
-        the C kernel or the compiled heads take. Returns the bytes the copies
+        the C kernel or the compiled heads take; and an fp32 head's bf16 tiles
+        for its greedy screen (``greedy_tokens``). Returns the bytes the copies
         take (0 off CPU, or for dtypes it does not take)."""
         device = next(self.model.parameters()).device
         if not onednn.available(device):
@@ -192,7 +195,22 @@ class CompiledModel:
         if fmt is None and max_rows > few:
             weights.append(tensors[0])
         nbytes, self.reordering = onednn.prepack(weights, background=True, kernel=kernel)
-        return nbytes
+        self.greedy_head = GreedyHead.build(kernel, tensors[0]) if fmt is None and kind == "f32" else None
+        return nbytes + (self.greedy_head.tiles.nbytes if self.greedy_head is not None else 0)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+        """``argmax_rows(self.compute_logits(hidden))``, the same tokens, by
+        the fp32 head's greedy screen (``kiln.compiler.greedy_head``) where
+        the head's rows go to the C kernel: its dense rows up to the policy's
+        fp32 rows (``_native_head``), its panels beyond; None elsewhere."""
+        head, kernel = self.greedy_head, self.linear_kernel
+        if head is None or kernel is None or hidden.dtype != torch.float32 or not hidden.is_cpu:
+            return None
+        if hidden.shape[0] <= kernel.policy.most_rows("f32"):
+            return head(hidden, panels=False)
+        if onednn.takes(hidden, head.weight) and onednn.on_panels(head.weight, kernel):
+            return head(hidden, panels=True)
+        return None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         tensors, fmt = self.model.logits_inputs()

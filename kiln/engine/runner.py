@@ -20,6 +20,7 @@ import torch
 from kiln.attention.backend import AttentionBackend
 from kiln.config import CUDAGraphMode
 from kiln.engine.input_batch import InputBatch, StepShape
+from kiln.engine.request import SamplingParams
 from kiln.engine.sampler import Sampler, SamplerOutput
 from kiln.engine.scheduler import SchedulerOutput
 from kiln.forward_context import BatchDescriptor, ForwardContext, set_forward_context
@@ -72,6 +73,8 @@ class ModelRunner:
         self.attention_backend = attention_backend.with_decode_kernel(_attention_kernel(compiled))
         self.forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = compiled or model
         self.compute_logits = compiled.compute_logits if compiled is not None else model.compute_logits
+        # a greedy step's tokens without the logits, where the compiled model can (None: it cannot)
+        self.greedy_tokens: Callable[[torch.Tensor], list[int] | None] | None = _greedy_tokens(compiled)
         self.compiled = compiled
         self.device = device
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -93,6 +96,7 @@ class ModelRunner:
             raise RuntimeError("the compiled pieces must be swapped in before CUDA graphs are captured")
         self.forward = compiled
         self.compute_logits = compiled.compute_logits
+        self.greedy_tokens = _greedy_tokens(compiled)
         self.compiled = compiled
         self.attention_backend = self.attention_backend.with_decode_kernel(_attention_kernel(compiled))
         self.sampler.native_argmax = _argmax_kernel(compiled)
@@ -119,10 +123,18 @@ class ModelRunner:
             logger.info("no %s graph of %d tokens: %s", dispatch.mode.value, dispatch.num_tokens, e)
             self.dispatcher.drop(dispatch.num_tokens)  # type: ignore[union-attr]
             hidden = self._run(self._metadata(shape, shape.num_tokens, shape.num_reqs), _unpadded(shape))
-        logits = self.compute_logits(hidden[self.inputs.logits_indices.view(shape.num_samples)])
-        t2 = time.perf_counter()
+        rows = hidden[self.inputs.logits_indices.view(shape.num_samples)]
         sampling = [s for s in sched.scheduled if s.sampling is not None]
-        sampled = self.sampler(logits, [s.sampling for s in sampling], [s.num_output_tokens for s in sampling])  # type: ignore[misc]
+        params: list[SamplingParams] = [s.sampling for s in sampling]  # type: ignore[misc]
+        # a step of greedy rows alone: their tokens without the fp32 logits (kiln.compiler.greedy_head)
+        tokens = self.greedy_tokens(rows) if self.greedy_tokens is not None and Sampler.argmax_only(params) else None
+        if tokens is not None:
+            t2 = time.perf_counter()
+            sampled = SamplerOutput(tokens)
+        else:
+            logits = self.compute_logits(rows)
+            t2 = time.perf_counter()
+            sampled = self.sampler(logits, params, [s.num_output_tokens for s in sampling])
         t3 = time.perf_counter()
         st = self.stats
         st.steps += 1
@@ -231,6 +243,11 @@ def _argmax_kernel(compiled: Any) -> Any:
     """The argmax of the C linear kernel ``compiled`` brings, for greedy steps, or None."""
     kernel = getattr(compiled, "linear_kernel", None) if compiled is not None else None
     return kernel.argmax_rows if kernel is not None else None
+
+
+def _greedy_tokens(compiled: Any) -> Callable[[torch.Tensor], list[int] | None] | None:
+    """The compiled model's greedy tokens without logits (CompiledModel.greedy_tokens), or None."""
+    return getattr(compiled, "greedy_tokens", None) if compiled is not None else None
 
 
 def _attention_kernel(compiled: Any) -> Any:
