@@ -272,13 +272,17 @@ def _bandwidth_section(report: dict[str, Any]) -> list[str]:
     if not bw:
         return []
     m = bw["machine"]
-    rows = [[key, SHORT[dtype], fmt(bw["traffic"][dtype]["bytes_per_token"] / 1e6, 1),
+    def step_mb(dtype: str, r: dict[str, Any]) -> str:
+        return fmt(r["bandwidth"].get("bytes_per_token", bw["traffic"][dtype]["bytes_per_token"]) / 1e6, 1)
+
+    rows = [[key, SHORT[dtype], step_mb(dtype, r),
              fmt(r["bandwidth"]["achieved_gb_per_s"], 1), fmt(100 * r["bandwidth"]["fraction_of_machine"], 0, "%"),
              fmt(r["bandwidth"]["roofline_tokens_per_s"], 1)]
             for dtype, results in report["results"]["batch1"].items() for key, r in results.items()
             if r.get("bandwidth")]
     return ["", f"### Batch-1 memory bandwidth (the machine: {m['gb_per_s']:.1f} GB/s, {m['method']}, "
-                f"{m['threads']} threads; weights counted at the run dtype, as kiln holds them)", "",
+                f"{m['threads']} threads; weights counted at the run dtype, as kiln holds them, an fp32 head with "
+                f"kiln's greedy screen in bf16)", "",
             markdown_table(["engine", "dtype", "MB a step", "achieved GB/s", "of machine", "roofline tok/s"], rows)]
 
 

@@ -91,6 +91,9 @@ def test_startup_report_counts(compiled_llama) -> None:
         # and the head's bf16 tiles for the greedy screen, where the kernel has AMX (kiln.compiler.greedy_head)
         screen = head.numel() * 2 if rt.compiled.model.greedy_head is not None else 0
         assert r["reordered_weight_bytes"] == sum(unique.values()) + screen
+        # what a greedy step reads of the head with the screen: tiles and norms, in place of the fp32 head
+        assert r["greedy_screen"] == ({"head_bytes": head.numel() * 4, "tile_bytes": screen + head.shape[0] * 4}
+                                      if screen else None)
         rt.compiled.model.reordering.join(timeout=60)
         assert not rt.compiled.model.reordering.is_alive()
 

