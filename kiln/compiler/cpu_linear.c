@@ -1298,19 +1298,24 @@ int kiln_panels_pack(const float *w, int64_t n, int64_t k, float *wp, int thread
 
 /* out rows [0, rows) by columns [0, cols) of one panel = the rows at ``a``
  * times the panel ``b``, plus bias; asks for ``lines`` cache lines from
- * ``ahead`` into L2 over the steps of K. */
+ * ``ahead`` into L2 evenly over the steps of K (a line each time ``lines``
+ * more steps' worth of credit reaches K). Asked for in a burst instead (one
+ * line a step until done, the rest of K without), each thread's asks waited
+ * on the line fill buffers: spread evenly, the 3072 x 576 product from
+ * memory took 532-686 us against 606-913 at 64 rows and 221-250 against
+ * 239-281 at 16, 960 x 576 178-198 against 196-222 at 64 (scratch, rounds
+ * taking turns, 2026-12-07). */
 static inline __attribute__((always_inline)) void panel_block(
         const float *const *a, const float *b, int64_t k, float *out, int64_t out_stride, int rows, int cols,
         const float *bias, const char *ahead, int64_t lines) {
     __m512 acc[PANEL_ROWS][PANEL_VECTORS];
     _Pragma("GCC unroll 8") for (int i = 0; i < PANEL_ROWS; i++)
         _Pragma("GCC unroll 3") for (int v = 0; v < PANEL_VECTORS; v++) acc[i][v] = _mm512_setzero_ps();
-    const int64_t per_step = (lines + k - 1) / k;
-    const char *until = ahead + lines * 64;
+    int64_t credit = 0;
     for (int64_t t = 0; t < k; t++) {
-        if (ahead < until) {
-            for (int64_t l = 0; l < per_step; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
-            ahead += 64 * per_step;
+        for (credit += lines; credit >= k; credit -= k) {
+            _mm_prefetch(ahead, _MM_HINT_T1);
+            ahead += 64;
         }
         const float *bt = b + t * PANEL_COLS;
         const __m512 b0 = _mm512_loadu_ps(bt), b1 = _mm512_loadu_ps(bt + 16), b2 = _mm512_loadu_ps(bt + 32);
@@ -1331,14 +1336,38 @@ static inline __attribute__((always_inline)) void panel_block(
         }
 }
 
+/* The lines a thread asks for during its panel ``p`` of [p0, p1): its next
+ * panel; after its last, its first again where more rows follow (``again``),
+ * else the first panel this thread takes of the linear the caller makes next
+ * (``next_wp``, N ``next_n`` by K ``next_k``, or NULL). */
+static const char *panel_ahead(const float *wp, int64_t k, int64_t p, int64_t p0, int64_t p1, int again,
+                               const float *next_wp, int64_t next_n, int64_t next_k, int id, int nt,
+                               int64_t *lines) {
+    *lines = k * PANEL_COLS / 16;
+    if (p + 1 < p1) return (const char *)(wp + (p + 1) * k * PANEL_COLS);
+    if (again) return (const char *)(wp + p0 * k * PANEL_COLS);
+    if (!next_wp) return NULL;
+    const int64_t panels = (next_n + PANEL_COLS - 1) / PANEL_COLS, q0 = panels * id / nt;
+    if (q0 >= panels * (id + 1) / nt) return NULL;
+    *lines = next_k * PANEL_COLS / 16;
+    return (const char *)(next_wp + q0 * next_k * PANEL_COLS);
+}
+
 /* out[M, N] = x[M, K] @ W[N, K]^T + bias in fp32, wp being W's panels
- * (kiln_panels_pack). Returns 0, or -1 for arguments outside the kernel's
- * limits. */
+ * (kiln_panels_pack). ``next_wp`` (or NULL): the panels of the linear the
+ * caller makes next (N ``next_n`` by K ``next_k``), whose first lines each
+ * thread asks for during its last panel, so that the next call's first
+ * panel does not start cold; a hint, which costs only bandwidth when wrong.
+ * A decode step's 120 linears of the 135M shape from memory (scratch,
+ * 2026-12-07, rounds taking turns): 16 rows 16.5 against 17.2-17.5 ms, 64
+ * rows 39.0-40.9 against 40.8-42.3. Returns 0, or -1 for arguments outside
+ * the kernel's limits. */
 int kiln_panels_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *wp, int64_t n,
-                       const float *bias, float *out, int64_t out_stride, int threads) {
-    if (m < 1 || n < 1 || k < 1 || x_stride < k || out_stride < n) return -1;
+                       const float *bias, float *out, int64_t out_stride, int threads, const float *next_wp,
+                       int64_t next_n, int64_t next_k) {
+    if (m < 1 || n < 1 || k < 1 || x_stride < k || out_stride < n || (next_wp && (next_n < 1 || next_k < 1)))
+        return -1;
     const int64_t blocks = (m + PANEL_ROWS - 1) / PANEL_ROWS, panels = (n + PANEL_COLS - 1) / PANEL_COLS;
-    const int64_t panel_lines = k * PANEL_COLS / 16;
 #pragma omp parallel num_threads(threads)
     {
 #ifdef _OPENMP
@@ -1349,16 +1378,18 @@ int kiln_panels_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, c
         const int64_t p0 = panels * id / nt, p1 = panels * (id + 1) / nt;
         for (int64_t c0 = 0; c0 < blocks; c0 += PANEL_CHUNK / PANEL_ROWS) {
             const int64_t c1 = c0 + PANEL_CHUNK / PANEL_ROWS < blocks ? c0 + PANEL_CHUNK / PANEL_ROWS : blocks;
-            /* the next panel's lines, asked for in shares over this one's blocks */
-            const int64_t share = (panel_lines + (c1 - c0) - 1) / (c1 - c0);
             for (int64_t p = p0; p < p1; p++) {
                 const float *panel = wp + p * k * PANEL_COLS;
-                const char *next = p + 1 < p1 ? (const char *)(panel + k * PANEL_COLS) : NULL;
+                int64_t ahead_lines;
+                const char *next = panel_ahead(wp, k, p, p0, p1, c1 < blocks, next_wp, next_n, next_k, id, nt,
+                                               &ahead_lines);
+                /* the lines ahead, asked for in shares over this panel's blocks */
+                const int64_t share = (ahead_lines + (c1 - c0) - 1) / (c1 - c0);
                 const int cols = n - p * PANEL_COLS < PANEL_COLS ? (int)(n - p * PANEL_COLS) : PANEL_COLS;
                 for (int64_t blk = c0; blk < c1; blk++) {
                     const int64_t first = (blk - c0) * share;
-                    const int64_t lines = next && first < panel_lines
-                                              ? (panel_lines - first < share ? panel_lines - first : share) : 0;
+                    const int64_t lines = next && first < ahead_lines
+                                              ? (ahead_lines - first < share ? ahead_lines - first : share) : 0;
                     const int rows = m - blk * PANEL_ROWS < PANEL_ROWS ? (int)(m - blk * PANEL_ROWS) : PANEL_ROWS;
                     const float *a[PANEL_ROWS];
                     for (int i = 0; i < PANEL_ROWS; i++)  /* rows past M repeat the last; their sums are dropped */
@@ -1377,9 +1408,10 @@ int kiln_panels_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, c
 int kiln_panels(void) { return 0; }
 /* (kiln_panels_size and kiln_panels_pack are only declared where kiln_panels says 1) */
 int kiln_panels_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *wp, int64_t n,
-                       const float *bias, float *out, int64_t out_stride, int threads) {
+                       const float *bias, float *out, int64_t out_stride, int threads, const float *next_wp,
+                       int64_t next_n, int64_t next_k) {
     (void)x, (void)x_stride, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)out, (void)out_stride,
-        (void)threads;
+        (void)threads, (void)next_wp, (void)next_n, (void)next_k;
     return -1;
 }
 #endif
@@ -1815,15 +1847,15 @@ static PyObject *py_amx_linear(PyObject *self, PyObject *const *a, Py_ssize_t n_
     return PyLong_FromLong(rc);
 }
 
-/* panels_linear(x, x_stride, m, k, wp, n, bias, out, out_stride, threads) -> kiln_panels_linear's
- * return code; bias a tensor or None. */
+/* panels_linear(x, x_stride, m, k, wp, n, bias, out, out_stride, threads, next_wp, next_n, next_k) ->
+ * kiln_panels_linear's return code; bias and next_wp a tensor or None. */
 static PyObject *py_panels_linear(PyObject *self, PyObject *const *a, Py_ssize_t n_args) {
     (void)self;
-    int64_t v[6];
-    const int at[6] = {1, 2, 3, 5, 8, 9};
-    if (arity("panels_linear", n_args, 10) || ints_at(a, at, 6, v)) return NULL;
+    int64_t v[8];
+    const int at[8] = {1, 2, 3, 5, 8, 9, 11, 12};
+    if (arity("panels_linear", n_args, 13) || ints_at(a, at, 8, v)) return NULL;
     int rc = kiln_panels_linear(tensor_data(a[0]), v[0], v[1], v[2], tensor_data(a[4]), v[3], data_or_null(a[6]),
-                                tensor_data(a[7]), v[4], (int)v[5]);
+                                tensor_data(a[7]), v[4], (int)v[5], data_or_null(a[10]), v[6], v[7]);
     return PyLong_FromLong(rc);
 }
 

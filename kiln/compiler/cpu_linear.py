@@ -48,7 +48,8 @@ from kiln.models.quant import QuantizedLinear
 from kiln.native import KernelBuildError, NativeSource, import_extension, python_headers, register_c_function
 
 __all__ = ["DENSE_KINDS", "FLOAT_DTYPES", "MAX_ROWS", "PACKED_KINDS", "CpuLinearKernel", "KernelBuildError",
-           "LinearPolicy", "SOURCE", "build", "cpu_linear", "dense_kind", "implementation", "load", "model_kinds"]
+           "LinearPolicy", "PanelsAhead", "SOURCE", "build", "cpu_linear", "dense_kind", "implementation", "load",
+           "model_kinds"]
 
 SOURCE = NativeSource(Path(__file__).with_name("cpu_linear.c"), "cpu-linear")
 MAX_ROWS = 8  # KILN_MAX_ROWS: activation rows one call takes (fp32: CpuLinearKernel.max_rows)
@@ -103,6 +104,20 @@ def build(inductor_dir: Path, kinds: set[str] | frozenset[str] | None = None) ->
     if headers is None:  # called through ctypes alone
         return SOURCE.build(inductor_dir, flags)
     return SOURCE.build(inductor_dir, (*flags, "-DKILN_PYTHON"), include_dirs=(headers,))
+
+
+@dataclass(frozen=True)
+class PanelsAhead:
+    """The fp32 panels (``CpuLinearKernel.f32_panels``) of the linear a step
+    makes after another, whose first lines ``kiln_panels_linear`` asks for
+    while it computes the other's last panel: a hint (``panels`` None: none)."""
+
+    panels: torch.Tensor | None
+    rows: int  # the weight's N
+    depth: int  # its K
+
+
+_NOTHING_AHEAD = PanelsAhead(None, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -226,7 +241,8 @@ class CpuLinearKernel:
         self._panels_linear_ext: Any = getattr(module, "panels_linear", None)
         self._panels_size: Any = _declared(library, "kiln_panels_size", [i64, i64], i64) if self.panels else None
         self._panels_pack: Any = _declared(library, "kiln_panels_pack", [p, i64, i64, p, i32]) if self.panels else None
-        self._panels_linear: Any = (_declared(library, "kiln_panels_linear", [p, i64, i64, i64, p, i64, p, p, i64, i32])
+        self._panels_linear: Any = (_declared(library, "kiln_panels_linear",
+                                              [p, i64, i64, i64, p, i64, p, p, i64, i32, p, i64, i64])
                                     if self.panels else None)
         # kiln_greedy_screen: an fp32 head's greedy tokens from its bf16 product (kiln.compiler.greedy_head)
         self._greedy_screen: Any = _declared(library, "kiln_greedy_screen",
@@ -288,11 +304,13 @@ class CpuLinearKernel:
         return panels
 
     def panels_linear(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None,
-                      ) -> torch.Tensor:
+                      ahead: PanelsAhead | None = None) -> torch.Tensor:
         """``x [..., K] @ W.T + bias`` in fp32 on W's panels (``f32_panels``;
-        ``n``: W's rows), at any number of rows; called as ``amx_linear``."""
+        ``n``: W's rows), at any number of rows; called as ``amx_linear``.
+        ``ahead``: the linear the caller makes next, whose first panels the
+        kernel asks for during this one's last (a hint: the result is the same)."""
         return self._laid_out_linear("a panels", self._panels_linear_ext, self._panels_linear, x, panels, n, bias,
-                                     torch.float32)
+                                     torch.float32, ahead or _NOTHING_AHEAD)
 
     def greedy_screen(self, x: torch.Tensor, weight: torch.Tensor, screen: torch.Tensor, norms: torch.Tensor,
                       panels: bool) -> list[int] | None:
@@ -312,9 +330,11 @@ class CpuLinearKernel:
         return out.tolist() if rc == 0 else None
 
     def _laid_out_linear(self, what: str, ext: Any, fn: Any, x: torch.Tensor, layout: torch.Tensor, n: int,
-                         bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+                         bias: torch.Tensor | None, dtype: torch.dtype, ahead: PanelsAhead | None = None,
+                         ) -> torch.Tensor:
         """One call of a kernel on a weight it laid out (``ext``, else its
-        ctypes twin ``fn``), the arguments as ``kiln_amx_linear`` takes them."""
+        ctypes twin ``fn``), the arguments as ``kiln_amx_linear`` takes them,
+        and ``kiln_panels_linear``'s three more from ``ahead``."""
         k = x.shape[-1]
         rows = x if x.dim() == 2 and x.stride(1) == 1 else _rows(x)
         m = rows.shape[0]
@@ -324,10 +344,13 @@ class CpuLinearKernel:
         if bias is not None and (bias.dtype != dtype or bias.stride(-1) != 1):
             bias = bias.to(dtype).contiguous()
         threads, stride = torch.get_num_threads(), _row_stride(rows)
+        more: tuple[Any, ...] = () if ahead is None else (ahead.panels, ahead.rows, ahead.depth)
         if ext is not None:
-            rc = ext(rows, stride, m, k, layout, n, bias, out, n, threads)
+            rc = ext(rows, stride, m, k, layout, n, bias, out, n, threads, *more)
         else:
-            rc = fn(rows.data_ptr(), stride, m, k, layout.data_ptr(), n, _ptr(bias), out.data_ptr(), n, threads)
+            more = more and (_ptr(more[0]), *more[1:])
+            rc = fn(rows.data_ptr(), stride, m, k, layout.data_ptr(), n, _ptr(bias), out.data_ptr(), n, threads,
+                    *more)
         if rc != 0:
             raise RuntimeError(f"{self.path.name} refused {what} linear of {(m, k)} by [{n}, {k}] (rc {rc})")
         return out if rows is x else out.view(*x.shape[:-1], n)

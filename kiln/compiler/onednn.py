@@ -105,14 +105,14 @@ import copy
 import threading
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import fx
 
-from kiln.compiler.cpu_linear import CpuLinearKernel
+from kiln.compiler.cpu_linear import CpuLinearKernel, PanelsAhead
 from kiln.models.memory import lowest_priority
 
 __all__ = ["AMX_MAX_ROWS", "DTYPES", "KernelWeight", "REWRITE_DTYPES", "WIDENED", "available", "implementation",
@@ -184,17 +184,20 @@ class KernelWeight:
     up to ``AMX_MAX_ROWS`` rows, an fp32 one as panels
     (``CpuLinearKernel.f32_panels``) at any number of rows."""
 
-    linear: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor | None], torch.Tensor]  # the kernel's call
+    linear: Callable[..., torch.Tensor]  # the kernel's call: (x, layout, rows, bias[, ahead])
     layout: torch.Tensor
     rows: int  # the weight's N
     max_rows: int | None  # the most activation rows the kernel takes (None: any); oneDNN takes more
+    ahead: PanelsAhead | None = None  # panels: the next linear's, asked for during this one's last (prepack)
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether the kernel computes ``x``'s product (its rows within ``max_rows``)."""
         return self.max_rows is None or x.numel() <= self.max_rows * x.shape[-1]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.linear(x, self.layout, self.rows, bias)
+        if self.ahead is None:
+            return self.linear(x, self.layout, self.rows, bias)
+        return self.linear(x, self.layout, self.rows, bias, self.ahead)
 
 
 def kernel_weight(weight: torch.Tensor, kernel: CpuLinearKernel | None) -> KernelWeight | None:
@@ -260,10 +263,13 @@ def prepack(weights: Iterable[torch.Tensor], *, background: bool = False, kernel
     unique = {_key(w): w for w in weights if _reorderable(w)}
     todo = list(unique.values())
     nbytes = sum(w.numel() * w.element_size() for w in todo)
+    laid: list[tuple[torch.Tensor, KernelWeight]] = []
     for w in todo:  # the kernel's layouts now; oneDNN's copies of the rest below
         laid_out = kernel_weight(w, kernel) if _key(w) not in _PACKED else None
         if laid_out is not None:
-            _keep(w, laid_out)
+            laid.append((w, laid_out))
+    for w, laid_out in _chained(laid, kernel):
+        _keep(w, laid_out)
     todo = [w for w in todo if _key(w) not in _PACKED]
 
     def run() -> None:
@@ -279,6 +285,19 @@ def prepack(weights: Iterable[torch.Tensor], *, background: bool = False, kernel
     thread = threading.Thread(target=run, name="kiln-reorder-weights")
     thread.start()
     return nbytes, thread
+
+
+def _chained(laid: list[tuple[torch.Tensor, KernelWeight]], kernel: CpuLinearKernel | None,
+             ) -> list[tuple[torch.Tensor, KernelWeight]]:
+    """``laid`` with each fp32 panels layout told the next one's (``ahead``):
+    weights come in the model's module order, which is the order a step of
+    the families kiln builds calls them (a layer's attention projections,
+    then its MLP's, then the next layer's), so each call can ask for the
+    next one's first panels; an order that differs costs only those reads."""
+    panels = [(w, kw) for w, kw in laid if kernel is not None and kw.linear == kernel.panels_linear]
+    following = {id(kw): PanelsAhead(nkw.layout, nw.shape[0], nw.shape[1])
+                 for (_, kw), (nw, nkw) in zip(panels, panels[1:])}
+    return [(w, replace(kw, ahead=following[id(kw)]) if id(kw) in following else kw) for w, kw in laid]
 
 
 def packed_bytes() -> int:
