@@ -573,7 +573,8 @@ def test_the_builds_with_avx512_have_the_fp32_panels(kernel) -> None:
         library = ctypes.CDLL(str(kernel.path))
         i64 = ctypes.c_int64
         assert library.kiln_panels() == 0
-        assert library.kiln_panels_linear(None, i64(64), i64(1), i64(64), None, i64(48), None, None, i64(48), 1) == -1
+        assert library.kiln_panels_linear(None, i64(64), i64(1), i64(64), None, i64(48), None, None, i64(48), 1,
+                                          None, i64(0), i64(0)) == -1
 
 
 needs_avx512 = pytest.mark.skipif("avx512f" not in cpu_flags(), reason="the CPU has no AVX-512 (no fp32 panels)")
@@ -635,9 +636,33 @@ def test_fp32_panels_are_made_only_for_weights_the_kernel_takes(native_kernel) -
     x = torch.randn(2, 64)
     # rows shorter than K, or an output row shorter than N: refused, nothing written
     assert library.kiln_panels_linear(ctypes.c_void_p(x.data_ptr()), i64(32), i64(2), i64(64), None, i64(48), None,
-                                      None, i64(48), 1) == -1
+                                      None, i64(48), 1, None, i64(0), i64(0)) == -1
     assert library.kiln_panels_linear(ctypes.c_void_p(x.data_ptr()), i64(64), i64(2), i64(64), None, i64(48), None,
-                                      None, i64(40), 1) == -1
+                                      None, i64(40), 1, None, i64(0), i64(0)) == -1
+    # a next linear to ask for ahead without its sizes
+    assert library.kiln_panels_linear(ctypes.c_void_p(x.data_ptr()), i64(64), i64(2), i64(64), None, i64(48), None,
+                                      None, i64(48), 1, ctypes.c_void_p(x.data_ptr()), i64(0), i64(64)) == -1
+
+
+@needs_avx512
+def test_fp32_panels_asking_for_the_next_linear_change_no_bit(native_kernel) -> None:
+    """``ahead`` only asks for the next linear's first panels (kiln_panels_linear):
+    every row count, chunked or not, one thread or two, gives the same bits."""
+    kernel = native_kernel
+    g = torch.Generator().manual_seed(8)
+    w, nxt = torch.randn(150, 96, generator=g), torch.randn(70, 200, generator=g)
+    panels = kernel.f32_panels(w)
+    ahead = cpu_linear.PanelsAhead(kernel.f32_panels(nxt), 70, 200)
+    threads = torch.get_num_threads()
+    for n_threads in {1, threads}:
+        torch.set_num_threads(n_threads)
+        try:
+            for rows in (1, 9, 64, 300):
+                x = torch.randn(rows, 96, generator=g)
+                assert torch.equal(kernel.panels_linear(x, panels, 150, None, ahead),
+                                   kernel.panels_linear(x, panels, 150, None))
+        finally:
+            torch.set_num_threads(threads)
 
 
 # ------------------------------------------------------------ SiLU times up

@@ -274,3 +274,19 @@ def test_fp32_weights_get_panels_before_prepack_returns(panels_kernel, backgroun
         torch.testing.assert_close(want, F.linear(x, w, bias), atol=1e-4, rtol=1e-5)
     del panels, w
     assert onednn.packed_bytes() == before + (64 * 96 * 2 if torch.bfloat16 in onednn.DTYPES else 0)
+
+
+def test_prepack_tells_each_panels_layout_the_next_ones(panels_kernel) -> None:
+    """In the order listed (a model's module order), skipping weights of
+    other layouts: each call can ask for the next one's first panels."""
+    g = torch.Generator().manual_seed(7)
+    first, second, third = (torch.randn(n, k, generator=g) for n, k in ((100, 96), (48, 64), (60, 96)))
+    b16 = torch.randn(64, 96, generator=g).bfloat16()
+    onednn.prepack([first, b16, second, third], kernel=panels_kernel)
+    laid = [onednn._PACKED[onednn._key(w)] for w in (first, second, third)]
+    for kw, (nxt, w) in zip(laid, ((laid[1], second), (laid[2], third))):
+        assert kw.ahead is not None and kw.ahead.panels is nxt.layout
+        assert (kw.ahead.rows, kw.ahead.depth) == tuple(w.shape)
+    assert laid[2].ahead is None
+    x = torch.randn(9, 96, generator=g)
+    assert torch.equal(laid[0](x, None), panels_kernel.panels_linear(x, laid[0].layout, 100, None))
