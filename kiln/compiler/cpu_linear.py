@@ -348,9 +348,9 @@ class CpuLinearKernel:
         if ext is not None:
             rc = ext(rows, stride, m, k, layout, n, bias, out, n, threads, *more)
         else:
-            more = more and (_ptr(more[0]), *more[1:])
+            addresses = (_ptr(more[0]), *more[1:]) if more else ()
             rc = fn(rows.data_ptr(), stride, m, k, layout.data_ptr(), n, _ptr(bias), out.data_ptr(), n, threads,
-                    *more)
+                    *addresses)
         if rc != 0:
             raise RuntimeError(f"{self.path.name} refused {what} linear of {(m, k)} by [{n}, {k}] (rc {rc})")
         return out if rows is x else out.view(*x.shape[:-1], n)

@@ -352,7 +352,7 @@ def test_the_extension_call_gives_the_ctypes_call_bits(native_kernel) -> None:
     kernel = native_kernel
     assert kernel._linear is not None  # built with Python's headers: the extension module's call
     ctypes_only = cpu_linear.CpuLinearKernel(kernel.path)
-    ctypes_only._linear = ctypes_only._silu_mul_ext = None
+    ctypes_only._linear = ctypes_only._silu_mul_ext = ctypes_only._panels_linear_ext = None
     torch.manual_seed(0)
     w = torch.randn(40, 64)
     q = _blocks(w, 4)
@@ -366,6 +366,12 @@ def test_the_extension_call_gives_the_ctypes_call_bits(native_kernel) -> None:
             assert torch.equal(kernel(*args), ctypes_only(*args))
         gate_up = torch.randn(5, 2 * 72, dtype=dtype)
         assert torch.equal(kernel.silu_mul(gate_up), ctypes_only.silu_mul(gate_up))
+    if kernel.panels:  # the panels' call, with the next linear asked for ahead and without
+        panels, nxt = kernel.f32_panels(w), kernel.f32_panels(torch.randn(50, 40))
+        x = torch.randn(20, 64)
+        for ahead in (None, cpu_linear.PanelsAhead(nxt, 50, 40)):
+            assert torch.equal(kernel.panels_linear(x, panels, 40, bias, ahead),
+                               ctypes_only.panels_linear(x, panels, 40, bias, ahead))
 
 
 @pytest.mark.skipif(python_headers() is None, reason="Python's headers are not installed: the library is ctypes-only")
