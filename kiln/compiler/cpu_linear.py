@@ -110,14 +110,11 @@ def build(inductor_dir: Path, kinds: set[str] | frozenset[str] | None = None) ->
 class PanelsAhead:
     """The fp32 panels (``CpuLinearKernel.f32_panels``) of the linear a step
     makes after another, whose first lines ``kiln_panels_linear`` asks for
-    while it computes the other's last panel: a hint (``panels`` None: none)."""
+    while it computes the other's last panel: a hint, which changes no result."""
 
-    panels: torch.Tensor | None
+    panels: torch.Tensor
     rows: int  # the weight's N
     depth: int  # its K
-
-
-_NOTHING_AHEAD = PanelsAhead(None, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -309,8 +306,9 @@ class CpuLinearKernel:
         ``n``: W's rows), at any number of rows; called as ``amx_linear``.
         ``ahead``: the linear the caller makes next, whose first panels the
         kernel asks for during this one's last (a hint: the result is the same)."""
+        more = (None, 0, 0) if ahead is None else (ahead.panels, ahead.rows, ahead.depth)
         return self._laid_out_linear("a panels", self._panels_linear_ext, self._panels_linear, x, panels, n, bias,
-                                     torch.float32, ahead or _NOTHING_AHEAD)
+                                     torch.float32, more)
 
     def greedy_screen(self, x: torch.Tensor, weight: torch.Tensor, screen: torch.Tensor, norms: torch.Tensor,
                       panels: bool) -> list[int] | None:
@@ -330,11 +328,12 @@ class CpuLinearKernel:
         return out.tolist() if rc == 0 else None
 
     def _laid_out_linear(self, what: str, ext: Any, fn: Any, x: torch.Tensor, layout: torch.Tensor, n: int,
-                         bias: torch.Tensor | None, dtype: torch.dtype, ahead: PanelsAhead | None = None,
+                         bias: torch.Tensor | None, dtype: torch.dtype, more: tuple[Any, ...] = (),
                          ) -> torch.Tensor:
         """One call of a kernel on a weight it laid out (``ext``, else its
         ctypes twin ``fn``), the arguments as ``kiln_amx_linear`` takes them,
-        and ``kiln_panels_linear``'s three more from ``ahead``."""
+        then ``more`` (``kiln_panels_linear``'s next linear: its panels or
+        None, its N and K)."""
         k = x.shape[-1]
         rows = x if x.dim() == 2 and x.stride(1) == 1 else _rows(x)
         m = rows.shape[0]
@@ -344,7 +343,6 @@ class CpuLinearKernel:
         if bias is not None and (bias.dtype != dtype or bias.stride(-1) != 1):
             bias = bias.to(dtype).contiguous()
         threads, stride = torch.get_num_threads(), _row_stride(rows)
-        more: tuple[Any, ...] = () if ahead is None else (ahead.panels, ahead.rows, ahead.depth)
         if ext is not None:
             rc = ext(rows, stride, m, k, layout, n, bias, out, n, threads, *more)
         else:
