@@ -3,7 +3,8 @@
 
 At one to a few tokens a linear layer is bound by reading its weight. Inductor's
 reduction form of the product (``kiln.compiler.gemv``) streams an fp32 weight
-at about the machine's bandwidth for one token, but runs the rows of a 2- or
+at close to the machine's bandwidth for one token (a step's weights at 25 GB/s
+against the kernel's 29.8 on an Intel Xeon: ``LinearPolicy``), but runs the rows of a 2- or
 4-token piece one after another, converts bf16 weights at a cost that hid their
 halved bytes, and unpacks quantized words through a stack copy. The C kernel
 reads each weight vector once, converts it once and multiplies it into every
@@ -120,10 +121,21 @@ class PanelsAhead:
 @dataclass(frozen=True)
 class LinearPolicy:
     """Which linears of a few-token CPU piece call the kernel: bf16 and the
-    packed kinds at any count up to ``MAX_ROWS``, fp32 from two tokens on, up
-    to ``f32_rows``; bf16 none where the kernel has AMX tiles (``tiles``),
-    which take them. At one token an fp32 linear stays Inductor's reduction,
-    fused into the piece, which does as well as the kernel and saves a call.
+    packed kinds at any count up to ``MAX_ROWS``, fp32 up to ``f32_rows`` from
+    two tokens on, or from one with ``f32_one_row``; bf16 none where the
+    kernel has AMX tiles (``tiles``), which take them. Without
+    ``f32_one_row`` an fp32 linear at one token stays Inductor's reduction,
+    fused into the piece with the norms around it.
+
+    The kernel takes fp32 at one token in an AVX-512 build (``CpuLinearKernel``
+    sets ``f32_one_row``): there the piece's fused reduction loop read a
+    step's weights at about 25 GB/s against the kernel's 29.8, level with
+    ``sum``'s 29.7 (the 120 linears of the 135M shape alone, one row, scratch
+    timing). Whole batch-1 steps of the real model in fp32 (300 new tokens,
+    fresh processes, two rounds taking turns, 2026-12-07): a median step of
+    21.5 and 21.8 ms in Inductor against 15.7 and 14.9 ms with the kernel.
+    An AVX2 build keeps the reduction at one token, from the runs below (none
+    since on such a CPU).
 
     Whole decode steps of the 135M shape at one token, kiln -O2, fresh
     processes, the median step of 128 new tokens (scratch runs, 2026-12-04):
@@ -149,12 +161,13 @@ class LinearPolicy:
     # step-linears-cpu-*.json has 8 rows). One path for every count up to
     # onednn.AMX_MAX_ROWS also gives a row the same bits of its linears whatever its batch.
     tiles: bool = False
+    f32_one_row: bool = False  # fp32 linears at one token call the kernel too (an AVX-512 build)
 
     def takes(self, kind: str, tokens: int) -> bool:
         """Whether a piece of ``tokens`` rows calls the kernel for a linear of ``kind``."""
         if kind not in self.kinds or tokens > self.most_rows(kind) or self.to_tiles(kind):
             return False
-        return kind == "bf16" or kind in PACKED_KINDS or tokens >= 2
+        return kind == "bf16" or kind in PACKED_KINDS or tokens >= (1 if self.f32_one_row else 2)
 
     def to_tiles(self, kind: str | None) -> bool:
         """Whether a dense linear of ``kind`` goes to the AMX tiles instead, at any row count."""
@@ -208,7 +221,7 @@ class CpuLinearKernel:
         # new tokens, two rounds taking turns: 58.5 and 52.4 -> 52.5 and 50.8 ms a step
         # (decode-throughput-cpu-20261207-051135, -051824 -> -051530, -052108)
         self.policy = LinearPolicy(self.kinds, MAX_ROWS if self.panels else self.max_rows.get("f32", MAX_ROWS),
-                                   tiles=self.amx and "bf16" in self.kinds)
+                                   tiles=self.amx and "bf16" in self.kinds, f32_one_row=self.isa.startswith("avx512"))
         # kiln_silu_mul: the gated MLP's activation (kiln.compiler.activation)
         self._silu_mul: Any = _declared(library, "kiln_silu_mul", [p, i64, i64, i64, p, i64, i32, i32])
         for ext, c in ((self._linear, self._fn), (self._amx_linear_ext, self._amx_linear),

@@ -12,9 +12,11 @@ share each weight load. Where kiln's C linear kernel is built
 (``kiln.compiler.cpu_linear``: AVX2 and FMA), the few-token pieces call it for
 the linears it does better (``LinearPolicy``: bf16 and the packed formats at
 any count, fp32 from two tokens on, since Inductor's reduction runs the rows
-of a 2- or 4-token piece one after another), and it is the LM head, the
-largest matrix of a small model, which runs outside the traced graph. Without the kernel, ``logits_head_graph`` is the
-head's reduction form, compiled per number of sampled rows.
+of a 2- or 4-token piece one after another, and from one token on in an
+AVX-512 build, where the kernel also streams a single row's weights faster),
+and it is the LM head, the largest matrix of a small model, which runs outside
+the traced graph. Without the kernel, ``logits_head_graph`` is the head's
+reduction form, compiled per number of sampled rows.
 
 Packed (quantized) linears reach the compiler as ``kiln::quantized_linear`` ops
 (``kiln.models.quant``). ``lower_quantized`` writes each as plain torch code

@@ -89,6 +89,8 @@ def test_fp32_takes_16_rows_a_call_and_the_other_kinds_8(kernel) -> None:
     assert kernel.policy.takes("f32", few) and not kernel.policy.takes("f32", few + 1)
     assert kernel.policy.takes("bf16", 8) == (not kernel.amx) and not kernel.policy.takes("bf16", 9)
     assert not kernel.policy.takes("q8_0", 9)
+    # one fp32 row: the kernel in an AVX-512 build (it streams a step's weights faster), a reduction in AVX2's
+    assert kernel.policy.f32_one_row == kernel.isa.startswith("avx512") == kernel.policy.takes("f32", 1)
     # bf16 out of the fp32 kind: 8 rows (the blocked rows write fp32 only)
     x, w, out = torch.randn(9, 64), torch.randn(8, 64), torch.empty(9, 8, dtype=torch.bfloat16)
     assert kernel._fn(0, x.data_ptr(), 0, 64, 9, w.data_ptr(), None, None, 8, 64, None, out.data_ptr(), 1, 8,
@@ -225,15 +227,18 @@ def _graph(dtype: torch.dtype, tokens: int, packed: bool) -> fx.GraphModule:
     return fx.GraphModule(torch.nn.Module(), graph)
 
 
-@pytest.mark.parametrize("dtype, tokens, packed, calls", [
-    (torch.float32, 1, True, 1),  # at one token the packed linear calls the kernel, fp32 stays a reduction
-    (torch.float32, 1, False, 0),  # fp32 at one token stays in Inductor
-    (torch.float32, 2, True, 2),
-    (torch.bfloat16, 1, False, 1),  # bf16 always
-    (torch.float16, 2, False, 0),  # a dtype the kernel does not take
+@pytest.mark.parametrize("dtype, tokens, packed, one_row, calls", [
+    (torch.float32, 1, True, False, 1),  # at one token the packed linear calls the kernel, fp32 stays a reduction
+    (torch.float32, 1, False, False, 0),  # fp32 at one token stays in Inductor (an AVX2 build)
+    (torch.float32, 1, False, True, 1),  # ... or calls the kernel (an AVX-512 build: f32_one_row)
+    (torch.float32, 1, True, True, 2),
+    (torch.float32, 2, True, False, 2),
+    (torch.bfloat16, 1, False, False, 1),  # bf16 always
+    (torch.float16, 2, False, True, 0),  # a dtype the kernel does not take
 ])
-def test_the_rewrite_calls_the_kernel_where_it_pays(dtype, tokens: int, packed: bool, calls: int) -> None:
-    policy = cpu_linear.LinearPolicy()
+def test_the_rewrite_calls_the_kernel_where_it_pays(dtype, tokens: int, packed: bool, one_row: bool,
+                                                     calls: int) -> None:
+    policy = cpu_linear.LinearPolicy(f32_one_row=one_row)
     gm, rewritten = decompose_linears(_graph(dtype, tokens, packed), tokens, policy)
     ops = [n for n in gm.graph.nodes if n.target is cpu_linear.cpu_linear]
     assert len(ops) == calls
@@ -281,6 +286,7 @@ def test_kernel_takes_all_says_whether_any_linear_stays_a_reduction() -> None:
     graph = _graph(torch.float32, 2, True)
     assert kernel_takes_all(graph, 2, cpu_linear.LinearPolicy())
     assert not kernel_takes_all(graph, 1, cpu_linear.LinearPolicy())  # fp32 at one token: a reduction
+    assert kernel_takes_all(graph, 1, cpu_linear.LinearPolicy(f32_one_row=True))  # unless the build says so
     assert not kernel_takes_all(graph, 2, cpu_linear.LinearPolicy(frozenset({"f32"})))
 
 
