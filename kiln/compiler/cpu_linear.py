@@ -129,11 +129,14 @@ class LinearPolicy:
 
     The kernel takes fp32 at one token in an AVX-512 build (``CpuLinearKernel``
     sets ``f32_one_row``): there the piece's fused reduction loop read a
-    step's weights at about 25 GB/s against the kernel's 29.8, level with
-    ``sum``'s 29.7 (the 120 linears of the 135M shape alone, one row, scratch
-    timing). Whole batch-1 steps of the real model in fp32 (300 new tokens,
+    step's weights at about 25 GB/s (80% of a batch-1 step's `perf` samples,
+    16.9 of 21 ms for 425 MB), the kernel at 29.8, level with ``sum``'s 29.7
+    (the 120 linears of the 135M shape alone, one row, scratch timing). Whole batch-1 steps of the real model in fp32 (300 new tokens,
     fresh processes, two rounds taking turns, 2026-12-07): a median step of
-    21.5 and 21.8 ms in Inductor against 15.7 and 14.9 ms with the kernel.
+    21.5 and 21.8 ms in Inductor against 15.7 and 14.9 ms with the kernel;
+    ``bench.decode`` 51.9 tok/s before (bench/results/decode-cpu-20261207-141935.json)
+    against 73.6 and 71.3 after (-141239, -142018), the greedy tokens still
+    transformers'.
     An AVX2 build keeps the reduction at one token, from the runs below (none
     since on such a CPU).
 
