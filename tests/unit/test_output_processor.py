@@ -76,3 +76,39 @@ def test_abort_is_the_last_delta() -> None:
     assert processor.finish(7, "abort") is None
     delta = processor.take(7)
     assert delta.token_ids == [2] and delta.finish_reason == "abort"
+
+
+def _fast_tokenizer(clean_up: bool):  # noqa: ANN202
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(["Hello world, héllo wörld! It's fine ... isn't it?"] * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", clean_up_tokenization_spaces=clean_up)
+
+
+def test_a_fast_tokenizer_is_decoded_on_its_backend_with_the_wrappers_text() -> None:
+    """Where transformers' decode would only pass the ids on, the detokenizer
+    calls the Rust tokenizer behind it; the text, special tokens skipped and
+    split UTF-8 sequences held back included, is what the wrapper gives. With
+    the clean-up of spaces on, or a tokenizer of another kind, the wrapper
+    decodes."""
+    from kiln.engine.detokenizer import IncrementalDetokenizer, _decoder
+
+    tok = _fast_tokenizer(clean_up=False)
+    ids = tok.encode("Hello wörld! It's fine ... isn't it?") + [tok.eos_token_id] + tok.encode(" héllo")
+    direct = _decoder(tok)
+    assert direct.__name__ == "direct"
+    for end in range(len(ids) + 1):
+        assert direct(ids[:end]) == tok.decode(ids[:end], skip_special_tokens=True)
+    detok = IncrementalDetokenizer(tok, ids[:2], [])
+    for t in ids[2:]:
+        detok.add([t])
+    assert detok.take(finished=True) == tok.decode(ids[2:], skip_special_tokens=True)
+    assert _decoder(_fast_tokenizer(clean_up=True)).__name__ == "wrapped"
+    letters = LetterTokenizer()
+    assert _decoder(letters).__name__ == "wrapped" and _decoder(letters)([1, 5, 2]) == letters.decode([1, 5, 2])
