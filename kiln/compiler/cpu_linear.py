@@ -4,13 +4,13 @@
 At one to a few tokens a linear layer is bound by reading its weight. Inductor's
 reduction form of the product (``kiln.compiler.gemv``) streams an fp32 weight
 at close to the machine's bandwidth for one token (a step's weights at 25 GB/s
-against the kernel's 29.8 on an Intel Xeon: ``LinearPolicy``), but runs the rows of a 2- or
-4-token piece one after another, converts bf16 weights at a cost that hid their
-halved bytes, and unpacks quantized words through a stack copy. The C kernel
-reads each weight vector once, converts it once and multiplies it into every
-activation row, with the accumulators in registers. The 135M shape's LM head
-(49152 x 576, 2 threads, weights larger than the caches; ``python -m
-bench.cpu_kernels --only cpu-linear``):
+against the kernel's 29.8 on an Intel Xeon: ``LinearPolicy``), but runs the
+rows of a 2- or 4-token piece one after another, converts bf16 weights at a
+cost that hid their halved bytes, and unpacks quantized words through a stack
+copy. The C kernel reads each weight vector once, converts it once and
+multiplies it into every activation row, with the accumulators in registers.
+The 135M shape's LM head (49152 x 576, 2 threads, weights larger than the
+caches; ``python -m bench.cpu_kernels --only cpu-linear``):
 
 - AVX2 (an AMD EPYC; bench/results/cpu-linear-cpu-20261202-064957.json): fp32
   at 1, 2 and 4 rows 6.9, 8.8 and 7.6 ms against Inductor's 7.6, 13.6 and 27.8
@@ -131,12 +131,12 @@ class LinearPolicy:
     sets ``f32_one_row``): there the piece's fused reduction loop read a
     step's weights at about 25 GB/s (80% of a batch-1 step's `perf` samples,
     16.9 of 21 ms for 425 MB), the kernel at 29.8, level with ``sum``'s 29.7
-    (the 120 linears of the 135M shape alone, one row, scratch timing). Whole batch-1 steps of the real model in fp32 (300 new tokens,
-    fresh processes, two rounds taking turns, 2026-12-07): a median step of
-    21.5 and 21.8 ms in Inductor against 15.7 and 14.9 ms with the kernel;
-    ``bench.decode`` 51.9 tok/s before (bench/results/decode-cpu-20261207-141935.json)
-    against 73.6 and 71.3 after (-141239, -142018), the greedy tokens still
-    transformers'.
+    (the 120 linears of the 135M shape alone, one row, scratch timing). Whole
+    batch-1 steps of the real model in fp32 (300 new tokens, fresh processes,
+    two rounds taking turns, 2026-12-07): a median step of 21.5 and 21.8 ms in
+    Inductor against 15.7 and 14.9 ms with the kernel; ``bench.decode`` 51.9
+    tok/s before (bench/results/decode-cpu-20261207-141935.json) against 73.6
+    and 71.3 after (-141239, -142018), the greedy tokens still transformers'.
     An AVX2 build keeps the reduction at one token, from the runs below (none
     since on such a CPU).
 
