@@ -1069,11 +1069,33 @@ done:
 /* How far ahead of the tiles being multiplied to ask for the weights: one
  * step of K of a pair. 4 to 32 KB ahead, into L1 or L2, and the next pair's
  * tiles asked for into L2 while multiplying the current ones, did no better
- * (a step's linears of the 135M shape read from memory, 2 threads). */
+ * (a step's linears of the 135M shape read from memory, 2 threads).
+ *
+ * Past 32 rows a pair's tiles are multiplied in more than one pass over its
+ * row blocks, the first reading them from memory and the others from cache;
+ * during those passes nothing was being read, and the next pair's first pass
+ * then waited on memory. There the next pair's lines are asked for into L2,
+ * spread over the current pair's passes (amx_ask_next). Weights read from
+ * memory (a 600 MB read between calls), 2 threads of an Intel Xeon, rounds
+ * taking turns (scratch, 2026-12-07): the LM head (49152 x 576) at 64 rows
+ * 2.91 -> 2.34 ms, at 48 rows 2.56 -> 2.21; a bf16 step's 120 linears of the
+ * 135M shape at 64 rows 9.66 -> 8.62 ms, at 48 rows 9.19 -> 8.41. Asked for
+ * in a single pass too (32 rows or fewer), the same step's linears read from
+ * the last-level cache took 4.13 -> 4.38 ms at 16 rows, so one pass keeps
+ * the ask of its own tiles alone. */
 #define KILN_AMX_AHEAD 2048
 /* Row blocks of 16 taken at once: each thread's pairs run over 256 rows
  * before the next 256, whose activations then stay in L2 (2 MB a core). */
 #define KILN_AMX_CHUNK 16
+
+/* The share of the next pair's ``lines`` (its tiles, from ``next``) that step
+ * ``s`` of pass ``pass`` asks for into L2, of ``passes`` passes of ``steps``
+ * steps each: all of them by the last step of the last pass. */
+static inline void amx_ask_next(const char *next, int64_t lines, int64_t pass, int64_t passes, int64_t s,
+                                int64_t steps) {
+    const int64_t i = pass * steps + s, total = passes * steps;
+    for (int64_t l = i * lines / total; l < (i + 1) * lines / total; l++) _mm_prefetch(next + 64 * l, _MM_HINT_T1);
+}
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -1177,10 +1199,15 @@ int kiln_amx_linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, c
         const int per_step = (int)((32 + steps - 1) / steps);
         for (int64_t c0 = 0; c0 < blocks_m; c0 += KILN_AMX_CHUNK) {
             const int64_t c1 = c0 + KILN_AMX_CHUNK < blocks_m ? c0 + KILN_AMX_CHUNK : blocks_m;
+            const int64_t passes = (c1 - c0 + 1) / 2;  /* over each pair's row blocks, two at a time */
 #pragma omp for schedule(static) nowait
             for (int64_t p = 0; p < pairs; p++) {
                 const int cols2 = 2 * p + 1 < blocks_n, width = cols2 ? 2 : 1;
                 const uint16_t *w = wp + p * 2 * steps * 512;
+                /* the next pair's cache lines (16 a tile), asked for during this pair's passes when there are
+                   several; the pair after the last one is the other thread's or none (0 lines) */
+                const int64_t next_lines =
+                    passes > 1 && p + 1 < pairs ? steps * (2 * p + 3 < blocks_n ? 2 : 1) * 16 : 0;
                 for (int64_t bm = c0; bm < c1; bm += 2) {
                     const int rows2 = bm + 1 < blocks_m;
                     const uint16_t *a0 = bm < full ? x + bm * 16 * x_stride : tail;
@@ -1199,6 +1226,9 @@ int kiln_amx_linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, c
                         if (bm == c0)  /* the first pass over the pair reads it from memory */
                             for (int l = 0; l < width * 16; l++)
                                 _mm_prefetch((const char *)b + KILN_AMX_AHEAD + 64 * l, _MM_HINT_T0);
+                        if (next_lines)
+                            amx_ask_next((const char *)(w + 2 * steps * 512), next_lines, (bm - c0) / 2, passes, s,
+                                         steps);
                         _tile_loadd(4, a0 + 32 * s, s0);
                         _tile_loadd(6, b, 64);
                         _tile_dpbf16ps(0, 4, 6);
