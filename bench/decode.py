@@ -71,7 +71,7 @@ from typing import Any
 import torch
 
 from bench.adapters import BASELINES, THROUGHPUT_BASELINES, KilnEngine, KilnThroughputEngine
-from bench.common.bandwidth import attach_bandwidth, machine_read_bandwidth
+from bench.common.bandwidth import attach_bandwidth, decode_traffic, machine_read_bandwidth
 from bench.common.harness import NOISY_SPREAD, BenchSettings, Engine, EngineSpec, median, run_engines
 from bench.common.models import (
     DEFAULT_SHAPE,
@@ -83,6 +83,7 @@ from bench.common.models import (
     resolve_model_arg,
 )
 from bench.common.report import RESULTS_DIR, RunRecord, publish
+from bench.common.roofline import machine_matmul_rate, model_cost, throughput_roofline
 from bench.decode_tables import REFERENCE_BASELINE, render_report, render_throughput_report
 
 logger = logging.getLogger("bench.decode")
@@ -435,12 +436,17 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     prompt_lens, budgets = throughput_lengths(args.throughput, args.prompt_len, args.max_tokens, args.same_lengths)
     settings = dataclasses.replace(settings, output_lens=None if args.same_lengths else tuple(budgets))
     prompts = [make_prompt(model["vocab_size"], n, args.seed + i) for i, n in enumerate(prompt_lens)]
+    machine_before = _machine_rates(args.dtype) if args.device == "cpu" else None
     kiln_results, baselines = measure_all(
         args.levels, args.baselines, lambda level: KilnThroughputEngine(model_path, prompts, level, settings),
         lambda name: THROUGHPUT_BASELINES[name](model_path, prompts, settings), args.repeats, deadline)
     ref = _reference(baselines, model)
     if ref is not None:
         _compare_throughput([*kiln_results, *baselines.values()], ref)
+    roofline = None
+    if machine_before is not None:
+        roofline = _roofline(model_path, model, args.dtype, prompt_lens, budgets,
+                             [*kiln_results, *baselines.values()], ref, machine_before, _machine_rates(args.dtype))
     for r in [*kiln_results, *baselines.values()]:
         r.pop("token_ids", None)  # N x max_tokens ids: kept out of the JSON
     return {
@@ -456,9 +462,38 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
             **_common_settings(args), "notes": THROUGHPUT_NOTES,
         },
         "output_tokens_per_s_by_engine": _rates_by_engine(kiln_results, baselines, "output_tokens_per_s"),
+        "roofline": roofline,
         "kiln": kiln_results,
         "baselines": baselines,
     }
+
+
+def _machine_rates(dtype: str) -> dict[str, Any]:
+    """The machine's matrix-multiply rate in ``dtype`` and its read bandwidth, now."""
+    return {"matmul": machine_matmul_rate(dtype), "read": machine_read_bandwidth()}
+
+
+def _roofline(model_path: Path, model: dict[str, Any], dtype: str, prompt_lens: list[int], budgets: list[int],
+              results: list[dict[str, Any]], ref: dict[str, Any] | None, before: dict[str, Any],
+              after: dict[str, Any]) -> dict[str, Any]:
+    """The workload's roofline estimate (``bench.common.roofline``) at the
+    better of the machine's rates before and after the engines ran, each
+    measured result's share of it (``roofline_fraction``: estimate / wall
+    time) and, against the reference baseline's result ``ref`` (or None),
+    the speedup an engine at the estimate would have
+    (``ceiling_speedup_vs_...``)."""
+    matmul = max(before["matmul"], after["matmul"], key=lambda m: m["gflop_per_s"])
+    read = max(before["read"], after["read"], key=lambda m: m["gb_per_s"])
+    weights = decode_traffic(model_path, model, dtype, 0)["weight_bytes"]
+    estimate = throughput_roofline(model_cost(model, dtype, weights), prompt_lens, budgets, matmul["gflop_per_s"],
+                                   read["gb_per_s"])
+    for r in results:
+        if "error" not in r:
+            r["roofline_fraction"] = round(estimate["seconds"] / r["wall_seconds"], 3)
+    if ref is not None:
+        estimate[f"ceiling_speedup_vs_{REFERENCE_BASELINE}"] = round(ref["wall_seconds"] / estimate["seconds"], 2)
+    return {**estimate, "weight_bytes": weights, "matmul": matmul, "read": read,
+            "machine_before": before, "machine_after": after}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -189,4 +189,22 @@ def render_throughput_report(report: dict[str, Any]) -> str:
     if steps:
         parts += ["", "kiln engine steps per batch (median), ms per step",
                   format_table(["kiln", "steps", "step wall", "model (host)"], steps)]
-    return "\n".join(parts + _trailer(report))
+    return "\n".join(parts + _roofline_section(report) + _trailer(report))
+
+
+def _roofline_section(report: dict[str, Any]) -> list[str]:
+    """The workload's roofline estimate and each engine's share of it (CPU runs)."""
+    est = report.get("roofline")
+    if not est:
+        return []
+    m, r = est["matmul"], est["read"]
+    rows = [[x["engine"], x["label"], fmt(x["wall_seconds"], 2, "s"), fmt(100 * x["roofline_fraction"], 0, "%")]
+            for x in _results(report) if "roofline_fraction" in x]
+    ceiling = est.get(f"ceiling_speedup_vs_{REFERENCE_BASELINE}")
+    return ["", f"roofline estimate (bench.common.roofline): {est['seconds']:.2f} s = prefill "
+                f"{est['prefill_seconds']:.2f} s + {est['decode_steps']} decode steps {est['decode_seconds']:.2f} s "
+                f"(of which reading keys and values {est['kv_read_seconds']:.2f} s), at {m['gflop_per_s']:.0f} "
+                f"GFLOP/s ({m['method']}, {m['dtype']}) and {r['gb_per_s']:.1f} GB/s ({r['method']}), "
+                f"weights {est['weight_bytes'] / 1e6:.1f} MB"
+                + (f"; an engine at the estimate would be {ceiling:.2f}x {REFERENCE_BASELINE}" if ceiling else ""),
+            format_table(["engine", "config", "batch wall", "estimate / wall"], rows)]
