@@ -6,6 +6,7 @@ Run from the repository root::
     python -m bench.cpu_kernels --only gemv
     python -m bench.cpu_kernels --only quant-kernels
     python -m bench.cpu_kernels --only decode-attention
+    python -m bench.cpu_kernels --only prefill-attention
     python -m bench.cpu_kernels --only cpu-linear
     python -m bench.cpu_kernels --only many-rows
     python -m bench.cpu_kernels --only step-linears
@@ -88,9 +89,17 @@ Run from the repository root::
   in turn so that each call reads from DRAM as in an engine's step: the
   torch backend's path (``index_select`` of each request's blocks, then one
   SDPA call over the padded copy) against the C kernel of
-  ``kiln.attention.cpu_decode`` reading the cache in place. Each output is
+  ``kiln.attention.cpu_attention`` reading the cache in place. Each output is
   checked against the other first (max abs difference in the JSON). GB/s
   counts the context's K and V read once.
+
+* ``prefill-attention``: the causal attention of fresh prompts at the same
+  heads, fp32 and bf16: the prompts of the first prefill step of
+  ``bench.decode --throughput 64`` (30 of 16-128 tokens), 8 of 512 and one of
+  2048, as the torch backend ran them (one SDPA call a prompt, its slicing
+  and copy in Python) against the C kernel's one call
+  (``CpuAttentionKernel.prefill``). Each output is checked against the other
+  first.
 
 Timings are medians over batches of back-to-back calls on the host clock
 (``bench.common.harness.time_per_call``). Each benchmark writes its JSON to
@@ -117,7 +126,7 @@ from bench.common.models import SMOLLM2_135M_SHAPE
 from bench.common.report import RESULTS_DIR, RunRecord, fmt, format_table, publish
 
 BENCHMARKS = ("op-overhead", "gemv", "quant-kernels", "cpu-linear", "many-rows", "step-linears", "silu-mul",
-              "huge-pages", "decode-attention")
+              "huge-pages", "decode-attention", "prefill-attention")
 SMOLLM2 = SMOLLM2_135M_SHAPE  # the decode shapes measured are this model's
 HEAD_DIM = SMOLLM2["hidden_size"] // SMOLLM2["num_attention_heads"]
 # name -> [out_features, in_features] of SmolLM2-135M's linear layers
@@ -540,7 +549,7 @@ def _decode_case(lengths: list[int], gen: torch.Generator, layers: int = 1) -> d
     """One step's decode requests of these context lengths and ``layers``
     caches (``kv_cache``: the first) holding their keys and values at the same
     blocks."""
-    from kiln.attention.cpu_decode import DecodeStep
+    from kiln.attention.cpu_attention import DecodeStep
 
     heads, kv_heads = SMOLLM2["num_attention_heads"], SMOLLM2["num_key_value_heads"]
     requests, blocks = len(lengths), -(-max(lengths) // DECODE_BLOCK_SIZE)
@@ -571,13 +580,13 @@ def _torch_decode(c: dict[str, Any]) -> torch.Tensor:
 def decode_attention_report(args: argparse.Namespace) -> dict[str, Any]:
     import tempfile
 
-    from kiln.attention.cpu_decode import PagedDecodeKernel, build_paged_decode
+    from kiln.attention.cpu_attention import CpuAttentionKernel, build_cpu_attention
 
     record = RunRecord("decode-attention", "cpu")
     gen = torch.Generator().manual_seed(0)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kiln-bench-kernel-") as tmp:
-        kernel = PagedDecodeKernel(Path(tmp) / build_paged_decode(Path(tmp)))
+        kernel = CpuAttentionKernel(Path(tmp) / build_cpu_attention(Path(tmp)))
         for requests, context, step in DECODE_CASES[:1] if args.smoke else DECODE_CASES:
             lengths = _decode_lengths(requests, context, step)
             c = _decode_case(lengths, gen, layers=1 if args.smoke else DECODE_LAYERS)
@@ -620,6 +629,79 @@ def render_decode_attention(report: dict[str, Any]) -> str:
             for r in report["results"]]
     return "decode attention, one layer of SmolLM2-135M's heads (fp32, paged cache)\n\n" + format_table(
         ["requests", "context", "torch ms", "C kernel ms", "speedup", "torch GB/s", "kernel GB/s", "max diff"], rows)
+
+
+# the prompts of bench.decode --throughput 64's first prefill step (prompt lengths 128 x 1, 1/8, 1/2, 1/4, 3/4
+# cycled, up to 2048 tokens), 8 of 512 tokens, one of 2048
+PREFILL_CASES = {"first step of 64 mixed requests": [128, 16, 64, 32, 96] * 6, "8 x 512": [512] * 8,
+                 "1 x 2048": [2048]}
+
+
+def _sdpa_prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lengths: list[int],
+                  scale: float) -> None:
+    """Each prompt's causal attention in one SDPA call, as the torch backend's ``_attend_each`` makes it."""
+    start = 0
+    for n in lengths:
+        end = start + n
+        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1).unsqueeze(0),
+                                           k[start:end].transpose(0, 1).unsqueeze(0),
+                                           v[start:end].transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale,
+                                           enable_gqa=True)
+        out[start:end].copy_(o[0].transpose(0, 1))
+        start = end
+
+
+def prefill_attention_report(args: argparse.Namespace) -> dict[str, Any]:
+    import tempfile
+
+    from kiln.attention.cpu_attention import CpuAttentionKernel, build_cpu_attention
+
+    record = RunRecord("prefill-attention", "cpu")
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, scale = SMOLLM2["num_attention_heads"], SMOLLM2["num_key_value_heads"], HEAD_DIM ** -0.5
+    cases = dict(list(PREFILL_CASES.items())[:1]) if args.smoke else PREFILL_CASES
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-kernel-") as tmp:
+        kernel = CpuAttentionKernel(Path(tmp) / build_cpu_attention(Path(tmp)))
+        if not kernel.prefills:
+            raise RuntimeError("this CPU's build of the attention kernel has no prefill (it needs AVX-512)")
+        for name, lengths in cases.items():
+            starts = list(itertools.accumulate(lengths, initial=0))
+            ranges = torch.tensor([[s, n] for s, n in zip(starts, lengths)], dtype=torch.int64)
+            for dtype in (torch.float32, torch.bfloat16):
+                q, k, v = (torch.randn(starts[-1], h, HEAD_DIM, generator=gen).to(dtype)
+                           for h in (heads, kv_heads, kv_heads))
+                got, want = torch.empty_like(q), torch.empty_like(q)
+                _sdpa_prompts(q, k, v, want, lengths, scale)
+                if not kernel.prefill(q, k, v, got, ranges, scale):
+                    raise RuntimeError("the prefill-attention kernel refused the benchmark's tensors")
+                error = (got.float() - want.float()).abs().max().item()
+                timed = {
+                    "torch": time_per_call(lambda q=q, k=k, v=v, out=want: _sdpa_prompts(q, k, v, out, lengths, scale),
+                                           repeats=args.repeats, min_batch_seconds=0.01 if args.smoke else 0.2),
+                    "kernel": time_per_call(lambda q=q, k=k, v=v, out=got: kernel.prefill(q, k, v, out, ranges, scale),
+                                            repeats=args.repeats, min_batch_seconds=0.01 if args.smoke else 0.2),
+                }
+                flops = sum(4 * n * (n + 1) // 2 * heads * HEAD_DIM for n in lengths)  # the causal half's products
+                rows.append({"case": name, "prompts": len(lengths), "tokens": starts[-1],
+                             "dtype": str(dtype).removeprefix("torch."), "max_abs_difference": error,
+                             **{f"{n}_ms": t["median_ms"] for n, t in timed.items()},
+                             **{f"{n}_gflop_per_s": flops / t["median_ms"] / 1e6 for n, t in timed.items()},
+                             "speedup": timed["torch"]["median_ms"] / timed["kernel"]["median_ms"],
+                             "timings": timed})
+    return {**record.head(torch_threads=args.threads),
+            "settings": {"heads": heads, "kv_heads": kv_heads, "head_dim": HEAD_DIM, "smoke": args.smoke,
+                         "statistic": "median over batches", "cases": {n: ls for n, ls in cases.items()}},
+            "results": rows}
+
+
+def render_prefill_attention(report: dict[str, Any]) -> str:
+    rows = [[r["case"], r["dtype"], fmt(r["torch_ms"], 3), fmt(r["kernel_ms"], 3), fmt(r["speedup"], 2),
+             fmt(r["torch_gflop_per_s"], 0), fmt(r["kernel_gflop_per_s"], 0), f"{r['max_abs_difference']:.1e}"]
+            for r in report["results"]]
+    return ("prefill attention of fresh prompts, one layer of SmolLM2-135M's heads (GFLOP/s: the causal half)\n\n"
+            + format_table(["prompts", "dtype", "SDPA a prompt ms", "C kernel ms", "speedup", "SDPA GFLOP/s",
+                            "kernel GFLOP/s", "max diff"], rows))
 
 
 # ---------------------------------------------------------------------------- cpu linear
@@ -1093,6 +1175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "decode-attention" in args.only:
         report = decode_attention_report(args)
         publish(report, "decode-attention", render_decode_attention(report), args.out)
+    if "prefill-attention" in args.only:
+        report = prefill_attention_report(args)
+        publish(report, "prefill-attention", render_prefill_attention(report), args.out)
     return 0
 
 

@@ -40,7 +40,7 @@ class NativeSource:
     """One C source file and the prefix of the library built from it."""
 
     path: Path
-    prefix: str  # "paged-decode": libraries are kiln-native/paged-decode-<digest>.so
+    prefix: str  # "cpu-attention": libraries are kiln-native/cpu-attention-<digest>.so
 
     def library_name(self, extra_flags: tuple[str, ...] = ()) -> str:
         """The library's path relative to the Inductor cache."""

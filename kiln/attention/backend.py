@@ -74,7 +74,7 @@ class AttentionBackend(abc.ABC):
 
     def with_decode_kernel(self, kernel: Any) -> AttentionBackend:
         """This backend using ``kernel``, the CPU decode-attention kernel a
-        compiled entry brings (``kiln.attention.cpu_decode``); backends with no
+        compiled entry brings (``kiln.attention.cpu_attention``); backends with no
         use for it return themselves."""
         return self
 

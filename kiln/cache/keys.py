@@ -31,7 +31,7 @@ __all__ = ["cache_factors", "cache_key", "cpu_features", "diff_factors", "enviro
 # attention backends or the CLI can change without invalidating every entry.
 _COMPILED_SOURCES = ("kiln.config", "kiln.forward_context", "kiln.models", "kiln.attention.op", "kiln.compiler")
 # other files compiled into an entry: (package, file) -- the C sources of kiln's CPU kernels
-_COMPILED_FILES = (("kiln.attention", "paged_decode.c"), ("kiln.compiler", "cpu_linear.c"))
+_COMPILED_FILES = (("kiln.attention", "cpu_attention.c"), ("kiln.compiler", "cpu_linear.c"))
 
 
 def _source_files(module_name: str) -> list[tuple[str, Path]]:

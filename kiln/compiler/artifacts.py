@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.attention.cpu_decode import KernelBuildError, PagedDecodeKernel, build_paged_decode
+from kiln.attention.cpu_attention import KernelBuildError, CpuAttentionKernel, build_cpu_attention
 from kiln.cache.store import MANIFEST, atomic_write_bytes, atomic_write_json, checksum_tree
 from kiln.compiler import cpu_linear, replay
 from kiln.compiler.capture import GraphInput
@@ -246,7 +246,7 @@ def _load_artifact(path: Path) -> Any:
     return torch._inductor.CompiledArtifact.load(path=str(path), format="binary")
 
 
-def _attention_kernel(inductor_dir: Path, name: str | None) -> PagedDecodeKernel | None:
+def _attention_kernel(inductor_dir: Path, name: str | None) -> CpuAttentionKernel | None:
     """The entry's CPU decode-attention kernel, loaded; built again when it is
     missing (a repair, which needs the C compiler, like Inductor's rebuilds).
     None for an entry without one, or when it cannot be built: the torch path
@@ -255,11 +255,11 @@ def _attention_kernel(inductor_dir: Path, name: str | None) -> PagedDecodeKernel
         return None
     if not (inductor_dir / name).is_file():
         try:
-            name = build_paged_decode(inductor_dir)  # named after today's source: an edited kernel, a new name
+            name = build_cpu_attention(inductor_dir)  # named after today's source: an edited kernel, a new name
         except (KernelBuildError, OSError) as e:
             logger.warning("decode attention runs on the torch path: %s", e)
             return None
-    return PagedDecodeKernel(inductor_dir / name)
+    return CpuAttentionKernel(inductor_dir / name)
 
 
 def _linear_kernel(inductor_dir: Path, name: str | None, model: nn.Module) -> cpu_linear.CpuLinearKernel | None:

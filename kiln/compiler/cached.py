@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.attention.cpu_decode import KernelBuildError, PagedDecodeKernel, build_paged_decode
+from kiln.attention.cpu_attention import KernelBuildError, CpuAttentionKernel, build_cpu_attention
 from kiln.cache.keys import cache_key
 from kiln.cache.lookup import FactorMismatchError, usable_manifest
 from kiln.cache.store import (
@@ -120,7 +120,7 @@ def load_entry(
 
 class _NativeBuilds:
     """kiln's C kernels for a CPU entry, built in a thread while the model is
-    traced: the decode-attention kernel (``kiln.attention.cpu_decode``, 2 s
+    traced: the decode-attention kernel (``kiln.attention.cpu_attention``, 2 s
     of gcc here) and the small-batch linear kernel (``kiln.compiler.cpu_linear``,
     2-3 s with the kinds ``model``'s linears use, 7 s with all). On two cores
     they share the CPU with the trace, so their seconds count. A failed build
@@ -132,12 +132,12 @@ class _NativeBuilds:
         self.inductor_dir = inductor_dir
         self.names: dict[str, str | None] = {"attention_kernel": None, "linear_kernel": None}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-native-build")
-        self._attention = self._pool.submit(build_paged_decode, inductor_dir)
+        self._attention = self._pool.submit(build_cpu_attention, inductor_dir)
         self._linear = self._pool.submit(cpu_linear.build, inductor_dir, cpu_linear.model_kinds(model))
 
-    def attention(self) -> PagedDecodeKernel | None:
+    def attention(self) -> CpuAttentionKernel | None:
         name = self._wait(self._attention, "attention_kernel", "decode attention will run on the torch path")
-        return PagedDecodeKernel(self.inductor_dir / name) if name else None
+        return CpuAttentionKernel(self.inductor_dir / name) if name else None
 
     def linear(self) -> cpu_linear.CpuLinearKernel | None:
         name = self._wait(self._linear, "linear_kernel", "few-token linears will run as Inductor's reductions")

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from kiln.attention.cpu_decode import PagedDecodeKernel
+from kiln.attention.cpu_attention import CpuAttentionKernel
 from kiln.compiler import cpu_linear, onednn
 from kiln.compiler.activation import rewrite_silu_mul
 from kiln.compiler.capture import CapturedGraph, GraphInput, capture
@@ -93,14 +93,14 @@ class CompiledModel:
     signature to its compiled runnables; ``piece_signatures`` maps each
     submodule of the split graph to its signature (identical layers share one).
     ``attention_kernel``: the CPU decode-attention kernel built with the entry
-    (``kiln.attention.cpu_decode``), for the runner's attention backend;
+    (``kiln.attention.cpu_attention``), for the runner's attention backend;
     ``linear_kernel``: the small-batch linear kernel its few-token pieces call
     (``kiln.compiler.cpu_linear``), which also serves the LM head."""
 
     def __init__(self, module: fx.GraphModule, inputs: list[GraphInput], model: nn.Module,
                  pieces: dict[str, BucketedPiece], piece_signatures: dict[str, str],
                  logits_heads: dict[int, Callable[..., Any]] | None = None,
-                 attention_kernel: PagedDecodeKernel | None = None,
+                 attention_kernel: CpuAttentionKernel | None = None,
                  linear_kernel: CpuLinearKernel | None = None) -> None:
         self.module = module
         self.model = model
@@ -451,7 +451,7 @@ def compile_traced(
     device: torch.device,
     progress: bool | None = None,
     eager_impls: dict[str, Any] | None = None,
-    attention_kernel: PagedDecodeKernel | None = None,
+    attention_kernel: CpuAttentionKernel | None = None,
     linear_kernel: CpuLinearKernel | None = None,
 ) -> tuple[CompiledModel, CompileStats]:
     """Compile every unique compute piece of ``traced`` for token counts
