@@ -93,13 +93,15 @@ Run from the repository root::
   checked against the other first (max abs difference in the JSON). GB/s
   counts the context's K and V read once.
 
-* ``prefill-attention``: the causal attention of fresh prompts at the same
-  heads, fp32 and bf16: the prompts of the first prefill step of
-  ``bench.decode --throughput 64`` (30 of 16-128 tokens), 8 of 512 and one of
-  2048, as the torch backend ran them (one SDPA call a prompt, its slicing
-  and copy in Python) against the C kernel's one call
-  (``CpuAttentionKernel.prefill``). Each output is checked against the other
-  first.
+* ``prefill-attention``: one layer's attention of a prefill step at the same
+  heads, fp32 and bf16, through the torch backend with and without the C
+  kernel: its SDPA call a chunk (with its slicing and copy in Python, and the
+  gather of a cached prefix's blocks) against the kernel's one call
+  (``CpuAttentionKernel.prefill``; in bf16 here for every chunk, whatever
+  ``native_prefill_bf16_pairs`` says). The prompts of the first prefill step
+  of ``bench.decode --throughput 64`` (30 of 16-128 tokens), 8 of 512, one of
+  2048, and 8 chunks of 256 tokens after 768 cached. The KV write is in both.
+  Each output is checked against the other first.
 
 Timings are medians over batches of back-to-back calls on the host clock
 (``bench.common.harness.time_per_call``). Each benchmark writes its JSON to
@@ -631,67 +633,93 @@ def render_decode_attention(report: dict[str, Any]) -> str:
         ["requests", "context", "torch ms", "C kernel ms", "speedup", "torch GB/s", "kernel GB/s", "max diff"], rows)
 
 
-# the prompts of bench.decode --throughput 64's first prefill step (prompt lengths 128 x 1, 1/8, 1/2, 1/4, 3/4
-# cycled, up to 2048 tokens), 8 of 512 tokens, one of 2048
-PREFILL_CASES = {"first step of 64 mixed requests": [128, 16, 64, 32, 96] * 6, "8 x 512": [512] * 8,
-                 "1 x 2048": [2048]}
+# name -> (chunk lengths, their contexts): the prompts of bench.decode --throughput 64's first prefill step
+# (prompt lengths 128 x 1, 1/8, 1/2, 1/4, 3/4 cycled, up to 2048 tokens), 8 of 512, one of 2048, and 8
+# chunks of 256 tokens after 768 cached (a prefix cache's hit, or a long prompt's later chunk)
+PREFILL_CASES = {"first step of 64 mixed requests": ([128, 16, 64, 32, 96] * 6, [128, 16, 64, 32, 96] * 6),
+                 "8 x 512": ([512] * 8, [512] * 8), "1 x 2048": ([2048], [2048]),
+                 "8 x 256 after 768 cached": ([256] * 8, [1024] * 8)}
+PREFILL_BLOCK_SIZE = 16
 
 
-def _sdpa_prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lengths: list[int],
-                  scale: float) -> None:
-    """Each prompt's causal attention in one SDPA call, as the torch backend's ``_attend_each`` makes it."""
-    start = 0
-    for n in lengths:
-        end = start + n
-        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1).unsqueeze(0),
-                                           k[start:end].transpose(0, 1).unsqueeze(0),
-                                           v[start:end].transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale,
-                                           enable_gqa=True)
-        out[start:end].copy_(o[0].transpose(0, 1))
-        start = end
+def _prefill_step(q_lens: list[int], seq_lens: list[int], dtype: torch.dtype, gen: torch.Generator) -> dict[str, Any]:
+    """One layer's prefill step of these chunks as a runner hands it to the attention backend: the metadata (block
+    tables a random permutation of the cache's blocks), the cache, the queries and the new keys and values."""
+    import numpy as np
+
+    from kiln.attention.backend import CommonAttentionMetadata
+
+    heads, kv_heads = SMOLLM2["num_attention_heads"], SMOLLM2["num_key_value_heads"]
+    bs = PREFILL_BLOCK_SIZE
+    per = [-(-n // bs) for n in seq_lens]
+    perm = torch.randperm(sum(per), generator=gen)
+    table = torch.zeros(len(q_lens), max(per), dtype=torch.int32)
+    slots, used = [], 0
+    for i, (q, n) in enumerate(zip(q_lens, seq_lens)):
+        table[i, : per[i]] = perm[used : used + per[i]]
+        used += per[i]
+        slots += [int(table[i, p // bs]) * bs + p % bs for p in range(n - q, n)]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    common = CommonAttentionMetadata(
+        num_actual_tokens=int(qsl[-1]), num_reqs=len(q_lens), max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        query_start_loc=torch.from_numpy(qsl), seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table=table,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64), query_start_loc_cpu=qsl,
+        seq_lens_cpu=np.asarray(seq_lens, dtype=np.int32), block_size=bs)
+    tokens = int(qsl[-1])
+    return {"common": common, "kv_cache": torch.randn(2, sum(per), bs, kv_heads, HEAD_DIM, generator=gen).to(dtype),
+            **{name: torch.randn(tokens, h, HEAD_DIM, generator=gen).to(dtype)
+               for name, h in (("query", heads), ("key", kv_heads), ("value", kv_heads))}}
 
 
 def prefill_attention_report(args: argparse.Namespace) -> dict[str, Any]:
     import tempfile
 
     from kiln.attention.cpu_attention import CpuAttentionKernel, build_cpu_attention
+    from kiln.attention.torch_backend import TorchAttentionBackend
 
     record = RunRecord("prefill-attention", "cpu")
     gen = torch.Generator().manual_seed(0)
-    heads, kv_heads, scale = SMOLLM2["num_attention_heads"], SMOLLM2["num_key_value_heads"], HEAD_DIM ** -0.5
+    heads, scale = SMOLLM2["num_attention_heads"], HEAD_DIM ** -0.5
     cases = dict(list(PREFILL_CASES.items())[:1]) if args.smoke else PREFILL_CASES
     rows = []
     with tempfile.TemporaryDirectory(prefix="kiln-bench-kernel-") as tmp:
         kernel = CpuAttentionKernel(Path(tmp) / build_cpu_attention(Path(tmp)))
         if not kernel.prefills:
             raise RuntimeError("this CPU's build of the attention kernel has no prefill (it needs AVX-512)")
-        for name, lengths in cases.items():
-            starts = list(itertools.accumulate(lengths, initial=0))
-            ranges = torch.tensor([[s, n] for s, n in zip(starts, lengths)], dtype=torch.int64)
+        torch_path = TorchAttentionBackend()
+        with_kernel = TorchAttentionBackend(kernel)
+        with_kernel.native_prefill_bf16_pairs = 1 << 62  # every chunk to the kernel, to time it in bf16 too
+        for name, (q_lens, seq_lens) in cases.items():
             for dtype in (torch.float32, torch.bfloat16):
-                q, k, v = (torch.randn(starts[-1], h, HEAD_DIM, generator=gen).to(dtype)
-                           for h in (heads, kv_heads, kv_heads))
-                got, want = torch.empty_like(q), torch.empty_like(q)
-                _sdpa_prompts(q, k, v, want, lengths, scale)
-                if not kernel.prefill(q, k, v, got, ranges, scale):
-                    raise RuntimeError("the prefill-attention kernel refused the benchmark's tensors")
-                error = (got.float() - want.float()).abs().max().item()
-                timed = {
-                    "torch": time_per_call(lambda q=q, k=k, v=v, out=want: _sdpa_prompts(q, k, v, out, lengths, scale),
-                                           repeats=args.repeats, min_batch_seconds=0.01 if args.smoke else 0.2),
-                    "kernel": time_per_call(lambda q=q, k=k, v=v, out=got: kernel.prefill(q, k, v, out, ranges, scale),
-                                            repeats=args.repeats, min_batch_seconds=0.01 if args.smoke else 0.2),
-                }
-                flops = sum(4 * n * (n + 1) // 2 * heads * HEAD_DIM for n in lengths)  # the causal half's products
-                rows.append({"case": name, "prompts": len(lengths), "tokens": starts[-1],
+                c = _prefill_step(q_lens, seq_lens, dtype, gen)
+                outs = {}
+                calls = {}
+                for label, backend in (("torch", torch_path), ("kernel", with_kernel)):
+                    meta = backend.build_metadata(c["common"])
+                    out = outs[label] = torch.empty_like(c["query"])
+
+                    def call(backend: Any = backend, meta: Any = meta, out: torch.Tensor = out) -> None:
+                        backend.forward(c["query"], c["key"], c["value"], out, c["kv_cache"], meta, scale, 0)
+
+                    call()
+                    calls[label] = call
+                if len(with_kernel.build_metadata(c["common"]).prefill) != len(q_lens):
+                    raise RuntimeError("the prefill-attention kernel did not take every chunk of the benchmark")
+                error = (outs["kernel"].float() - outs["torch"].float()).abs().max().item()
+                timed = {label: time_per_call(fn, repeats=args.repeats, min_batch_seconds=0.01 if args.smoke else 0.2)
+                         for label, fn in calls.items()}
+                # the products of each query with the keys it sees, QK and PV
+                flops = sum(4 * (q * (n - q) + q * (q + 1) // 2) * heads * HEAD_DIM for q, n in zip(q_lens, seq_lens))
+                rows.append({"case": name, "chunks": len(q_lens), "tokens": sum(q_lens),
                              "dtype": str(dtype).removeprefix("torch."), "max_abs_difference": error,
                              **{f"{n}_ms": t["median_ms"] for n, t in timed.items()},
                              **{f"{n}_gflop_per_s": flops / t["median_ms"] / 1e6 for n, t in timed.items()},
                              "speedup": timed["torch"]["median_ms"] / timed["kernel"]["median_ms"],
                              "timings": timed})
     return {**record.head(torch_threads=args.threads),
-            "settings": {"heads": heads, "kv_heads": kv_heads, "head_dim": HEAD_DIM, "smoke": args.smoke,
-                         "statistic": "median over batches", "cases": {n: ls for n, ls in cases.items()}},
+            "settings": {"heads": heads, "kv_heads": SMOLLM2["num_key_value_heads"], "head_dim": HEAD_DIM,
+                         "block_size": PREFILL_BLOCK_SIZE, "smoke": args.smoke, "statistic": "median over batches",
+                         "cases": {n: {"chunks": q, "contexts": k} for n, (q, k) in cases.items()}},
             "results": rows}
 
 
@@ -699,8 +727,9 @@ def render_prefill_attention(report: dict[str, Any]) -> str:
     rows = [[r["case"], r["dtype"], fmt(r["torch_ms"], 3), fmt(r["kernel_ms"], 3), fmt(r["speedup"], 2),
              fmt(r["torch_gflop_per_s"], 0), fmt(r["kernel_gflop_per_s"], 0), f"{r['max_abs_difference']:.1e}"]
             for r in report["results"]]
-    return ("prefill attention of fresh prompts, one layer of SmolLM2-135M's heads (GFLOP/s: the causal half)\n\n"
-            + format_table(["prompts", "dtype", "SDPA a prompt ms", "C kernel ms", "speedup", "SDPA GFLOP/s",
+    return ("prefill attention, one layer of SmolLM2-135M's heads through the torch backend: its SDPA call a chunk "
+            "against the C kernel (GFLOP/s: the pairs each query sees)\n\n"
+            + format_table(["chunks", "dtype", "SDPA ms", "C kernel ms", "speedup", "SDPA GFLOP/s",
                             "kernel GFLOP/s", "max diff"], rows))
 
 

@@ -1,6 +1,6 @@
 /* Attention for CPUs, fp32 or bf16: single-query (decode) attention over
  * kiln's paged KV cache (kiln_decode_layer), and the causal attention of
- * fresh prompts over their own keys (kiln_prefill_causal, at the end).
+ * prefill chunks over the same cache (kiln_prefill_layer, at the end).
  *
  * Built by kiln.attention.cpu_attention with the machine's C compiler (-O3
  * -march=native -fopenmp) and called through ctypes by the torch attention
@@ -826,28 +826,31 @@ int kiln_decode_layer(const kiln_step *st, const void *query, int64_t q_stride, 
 }
 
 /* ------------------------------------------------------------------ prefill
- * Causal attention of fresh prompts, chunks with no cached prefix: request r
- * is rows ranges[2r] .. ranges[2r] + ranges[2r + 1] - 1 of q, k and v (rows
- * of H or KV heads of D values side by side, row strides in elements), and
- * its query i attends to its keys 0 .. i. What the torch backend ran as one SDPA call a request: the bench's
- * prefill step of 30 prompts of 16-128 tokens (2016 tokens, 9 query and 3 KV
- * heads of 64) took 3.1 ms a layer in fp32 there, 2.4 of them in SDPA (87
- * GFLOP/s counting only the causal half), 2.1 ms in bf16 (scratch, 2 threads
- * of an Intel Xeon).
+ * Causal attention of a step's prefill chunks over the paged cache, after the
+ * step's keys and values were written there (kiln_decode_layer). Chunk r is
+ * query rows first .. first + n - 1 of q, the last n positions of a context
+ * of len positions (a fresh prompt: len = n) whose blocks are row `table` of
+ * the block table: chunks[4r .. 4r + 3] = first, n, len, table. The chunk's
+ * query i, at position len - n + i, attends to positions 0 .. len - n + i.
+ * What the torch backend ran as one SDPA call a chunk (with its keys gathered
+ * from the blocks where it had a cached prefix): the bench's prefill step of
+ * 30 prompts of 16-128 tokens (2016 tokens, 9 query and 3 KV heads of 64)
+ * took 3.1 ms a layer in fp32 that way, 2.4 of them in SDPA, and 2.1 ms in
+ * bf16 (scratch, 2 threads of an Intel Xeon).
  *
- * A work item is a tile of a request's query rows (48 / group of them) for
- * the query heads of one KV head: 48 query vectors, the lanes of three
- * vectors of 16. The queries are transposed once an item (qt[d][lane], scaled),
- * so that a key's dot products with all 48 are 3 fused multiply-adds a
- * dimension with the key's element broadcast, and 8 keys' scores (24
- * accumulators) end in registers with a query a lane: the online softmax then
- * runs across keys within each lane, 16 queries at once, with no horizontal
- * sums. The weighted values go into each query's output 6 queries and 64
- * dimensions at a time (24 accumulators), each value row loaded once for the
- * 6. Keys past a query's position are masked on the tiles that cross the
- * diagonal and never read past the tile's last row. bf16 inputs are widened
- * into fp32 copies of the keys and values first, the output rounded once.
- * Items go to the threads longest first (dynamic schedule). */
+ * A work item is a tile of a chunk's query rows (48 / group of them) for the
+ * query heads of one KV head: 48 query vectors, the lanes of three vectors of
+ * 16. The queries are transposed once an item (qt[d][lane], scaled), so that
+ * a key's dot products with all 48 are 3 fused multiply-adds a dimension with
+ * the key's element broadcast, and 8 keys' scores (24 accumulators) end in
+ * registers with a query a lane: the online softmax then runs across keys
+ * within each lane, 16 queries at once, with no horizontal sums. The weighted
+ * values go into each query's output 6 queries and 64 dimensions at a time
+ * (24 accumulators), each value row loaded once for the 6. Keys past a
+ * query's position are masked on the steps that cross the diagonal, and no
+ * step reads past the tile's last position. bf16 rows are widened to fp32 a
+ * step of 8 keys at a time, the output rounded once. Items go to the threads
+ * longest first (dynamic schedule). */
 #if defined(__AVX512F__)
 #define PF_LANES 48  /* query vectors of a work item */
 #define PF_KEYS 8    /* keys a step of the item's loop */
@@ -895,16 +898,29 @@ static void prefill_queries(const void *q, int64_t qs, int64_t i0, int64_t nq, i
         }
 }
 
-/* The scores of keys [j0, j0 + PF_KEYS) (their rows at k, a key row every ks floats: the item's KV head)
-   with the item's queries: s[j][t], lane i the query vector 16 t + i. Keys past the tile's last row (nk of
-   them are valid) repeat key j0, their scores masked by the caller. */
-static inline __attribute__((always_inline)) void prefill_scores(
-        const float (*qt)[PF_LANES], const float *k, int64_t ks, int64_t D, int nk, __m512 s[PF_KEYS][3]) {
-    const float *kr[PF_KEYS];
+/* The rows of positions [j0, j0 + PF_KEYS) of KV head c in one half of the cache (base: its block 0; rows of
+   `row` elements, blocks of bs rows, bt the chunk's block table), as fp32 row pointers: where they lie in an
+   fp32 cache, else widened from bf16 into buf. Positions from nk on repeat j0 (their scores are masked). */
+static inline void step_rows(const void *base, const int32_t *bt, int64_t bs, int64_t row, int64_t c, int64_t D,
+                             int64_t j0, int nk, float (*buf)[KILN_MAX_DIM], const float *rows[PF_KEYS],
+                             const int bf16) {
     for (int j = 0; j < PF_KEYS; ++j) {
-        kr[j] = k + (j < nk ? j : 0) * ks;
-        s[j][0] = s[j][1] = s[j][2] = _mm512_setzero_ps();
+        const int64_t pos = j0 + (j < nk ? j : 0);
+        const int64_t at = (bt[pos / bs] * bs + pos % bs) * row + c * D;
+        if (!bf16) {
+            rows[j] = (const float *)base + at;
+            continue;
+        }
+        for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(buf[j] + d, load16(base, at + d, 1));
+        rows[j] = buf[j];
     }
+}
+
+/* The scores of a step's PF_KEYS keys (rows kr) with the item's queries: s[j][t], lane i the query vector
+   16 t + i. */
+static inline __attribute__((always_inline)) void prefill_scores(
+        const float (*qt)[PF_LANES], const float *const kr[PF_KEYS], int64_t D, __m512 s[PF_KEYS][3]) {
+    for (int j = 0; j < PF_KEYS; ++j) s[j][0] = s[j][1] = s[j][2] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; ++d) {
         const __m512 q0 = _mm512_load_ps(qt[d]), q1 = _mm512_load_ps(qt[d] + 16), q2 = _mm512_load_ps(qt[d] + 32);
         for (int j = 0; j < PF_KEYS; ++j) {
@@ -916,11 +932,11 @@ static inline __attribute__((always_inline)) void prefill_scores(
     }
 }
 
-/* o_l = o_l * corr[l] + sum_j p[j][l] v_j (o_l: D floats at o + l * D) for queries [l0, l0 + PF_GROUP) and
-   dims [d0, d0 + 16 VECS), keys j < nk (v: key j0's value row, a row every vs floats); the sums in registers. */
+/* o_l = o_l * corr[l] + sum_j p[j][l] v_j (o_l: D floats at o + l * D; v_j at vr[j]) for queries [l0, l0 +
+   PF_GROUP), dims [d0, d0 + 16 VECS) and the step's first nk keys, the sums in registers. */
 static inline __attribute__((always_inline)) void weighted_block(
-        const float (*p)[PF_LANES], const float *corr, const float *v, int64_t vs, int nk, int64_t l0, int64_t d0,
-        int64_t D, float *o, const int VECS) {
+        const float (*p)[PF_LANES], const float *corr, const float *const vr[PF_KEYS], int nk, int64_t l0,
+        int64_t d0, int64_t D, float *o, const int VECS) {
     __m512 acc[PF_GROUP][4];
     for (int l = 0; l < PF_GROUP; ++l) {
         const __m512 c = _mm512_set1_ps(corr[l0 + l]);
@@ -928,7 +944,7 @@ static inline __attribute__((always_inline)) void weighted_block(
     }
     for (int j = 0; j < nk; ++j) {
         __m512 vv[4];
-        for (int i = 0; i < VECS; ++i) vv[i] = _mm512_loadu_ps(v + j * vs + d0 + 16 * i);
+        for (int i = 0; i < VECS; ++i) vv[i] = _mm512_loadu_ps(vr[j] + d0 + 16 * i);
         for (int l = 0; l < PF_GROUP; ++l) {
             const __m512 pj = _mm512_set1_ps(p[j][l0 + l]);
             for (int i = 0; i < VECS; ++i) acc[l][i] = _mm512_fmadd_ps(pj, vv[i], acc[l][i]);
@@ -938,44 +954,57 @@ static inline __attribute__((always_inline)) void weighted_block(
         for (int i = 0; i < VECS; ++i) _mm512_store_ps(o + (l0 + l) * D + d0 + 16 * i, acc[l][i]);
 }
 
-/* The weighted sums of a step of keys for the item's first ``lanes`` queries (a multiple of PF_GROUP): 64
-   dims at a time, or 16 where D is not a multiple of 64. */
-static inline void prefill_weighted(const float (*p)[PF_LANES], const float *corr, const float *v, int64_t vs,
+/* The weighted sums of a step for the item's first ``lanes`` queries (a multiple of PF_GROUP): 64 dims at a
+   time, or 16 where D is not a multiple of 64. */
+static inline void prefill_weighted(const float (*p)[PF_LANES], const float *corr, const float *const vr[PF_KEYS],
                                     int nk, int64_t lanes, int64_t D, float *o) {
     for (int64_t l0 = 0; l0 < lanes; l0 += PF_GROUP) {
         if (D % 64 == 0)
-            for (int64_t d0 = 0; d0 < D; d0 += 64) weighted_block(p, corr, v, vs, nk, l0, d0, D, o, 4);
+            for (int64_t d0 = 0; d0 < D; d0 += 64) weighted_block(p, corr, vr, nk, l0, d0, D, o, 4);
         else
-            for (int64_t d0 = 0; d0 < D; d0 += 16) weighted_block(p, corr, v, vs, nk, l0, d0, D, o, 1);
+            for (int64_t d0 = 0; d0 < D; d0 += 16) weighted_block(p, corr, vr, nk, l0, d0, D, o, 1);
     }
 }
 
-/* One work item: query rows [i0, i1) of a request, the query heads of KV head c (g of them). q and out: the
-   request's first row (query heads side by side); k and v: its first key and value row in fp32, at the KV
-   head c. */
-static void prefill_item(const void *q, int64_t qs, const float *k, int64_t ks, const float *v, int64_t vs,
-                         void *out, int64_t os, int64_t i0, int64_t i1, int64_t c, int64_t g, int64_t D, float scale,
-                         const int bf16) {
-    const int64_t nq = (i1 - i0) * g, lanes = (nq + PF_GROUP - 1) / PF_GROUP * PF_GROUP;
+/* What every work item of a call shares. */
+typedef struct {
+    const void *q, *key, *value;  /* the query rows; the cache's key and value halves */
+    void *out;
+    int64_t qs, os, row, bs, g, D;  /* row strides (elements); a cache row's elements; block size; group */
+    float scale;
+    int bf16;
+} prefill_args;
+
+/* One work item: query rows [i0, i1) of a chunk whose first query row is `first`, at positions from `at` on
+   (len - n), block table bt, the query heads of KV head c. */
+static void prefill_item(const prefill_args *a, int64_t first, int64_t at, const int32_t *bt, int64_t i0, int64_t i1,
+                         int64_t c) {
+    const int64_t g = a->g, D = a->D, nq = (i1 - i0) * g, lanes = (nq + PF_GROUP - 1) / PF_GROUP * PF_GROUP;
+    const size_t esize = a->bf16 ? 2 : 4;
+    const void *q = (const char *)a->q + first * a->qs * esize;
     _Alignas(64) float qt[KILN_MAX_DIM][PF_LANES];
     _Alignas(64) float o[PF_LANES * KILN_MAX_DIM];  /* query l's output at o + l * D (D: a multiple of 16) */
     _Alignas(64) float p[PF_KEYS][PF_LANES];
     _Alignas(64) float corr[PF_LANES];
-    prefill_queries(q, qs, i0, nq, c, g, D, scale, qt, bf16);
+    _Alignas(64) float kbuf[PF_KEYS][KILN_MAX_DIM], vbuf[PF_KEYS][KILN_MAX_DIM];  /* bf16 rows, widened */
+    prefill_queries(q, a->qs, i0, nq, c, g, D, a->scale, qt, a->bf16);
     memset(o, 0, sizeof(float) * (size_t)(lanes * D));  /* lanes past nq: summed, never stored */
-    __m512 m[3], sum[3], pos[3];  /* per lane: running maximum, sum of exponentials, the query's row */
+    __m512 m[3], sum[3], pos[3];  /* per lane: running maximum, sum of exponentials, the query's position */
     for (int t = 0; t < 3; ++t) {
         m[t] = _mm512_set1_ps(-3.0e38f);
         sum[t] = _mm512_setzero_ps();
-        float rows[16];
-        for (int i = 0; i < 16; ++i) rows[i] = (float)(i0 + (16 * t + i) / g);
-        pos[t] = _mm512_loadu_ps(rows);
+        float where[16];
+        for (int i = 0; i < 16; ++i) where[i] = (float)(at + i0 + (16 * t + i) / g);
+        pos[t] = _mm512_loadu_ps(where);
     }
-    for (int64_t j0 = 0; j0 < i1; j0 += PF_KEYS) {
-        const int nk = i1 - j0 < PF_KEYS ? (int)(i1 - j0) : PF_KEYS;
-        const int masked = j0 + PF_KEYS - 1 > i0;  /* a key of this step lies past some query's row */
+    const int64_t end = at + i1;  /* positions the tile's last query sees */
+    for (int64_t j0 = 0; j0 < end; j0 += PF_KEYS) {
+        const int nk = end - j0 < PF_KEYS ? (int)(end - j0) : PF_KEYS;
+        const int masked = j0 + PF_KEYS - 1 > at + i0;  /* a key of this step lies past some query's position */
+        const float *kr[PF_KEYS], *vr[PF_KEYS];
+        step_rows(a->key, bt, a->bs, a->row, c, D, j0, nk, kbuf, kr, a->bf16);
         __m512 s[PF_KEYS][3];
-        prefill_scores((const float (*)[PF_LANES])qt, k + j0 * ks, ks, D, nk, s);
+        prefill_scores((const float (*)[PF_LANES])qt, kr, D, s);
         __mmask16 live[PF_KEYS][3];
         for (int j = 0; j < PF_KEYS; ++j)
             for (int t = 0; t < 3; ++t) {
@@ -987,53 +1016,47 @@ static void prefill_item(const void *q, int64_t qs, const float *k, int64_t ks, 
         for (int t = 0; t < 3; ++t) {
             __m512 mx = m[t];
             for (int j = 0; j < PF_KEYS; ++j) mx = _mm512_max_ps(mx, s[j][t]);
-            const __m512 c = exp16_nonpos(_mm512_sub_ps(m[t], mx));
+            const __m512 cf = exp16_nonpos(_mm512_sub_ps(m[t], mx));
             __m512 add = _mm512_setzero_ps();
             for (int j = 0; j < PF_KEYS; ++j) {
                 const __m512 e = _mm512_maskz_mov_ps(live[j][t], exp16_nonpos(_mm512_sub_ps(s[j][t], mx)));
                 _mm512_store_ps(p[j] + 16 * t, e);
                 add = _mm512_add_ps(add, e);
             }
-            sum[t] = _mm512_fmadd_ps(sum[t], c, add);
+            sum[t] = _mm512_fmadd_ps(sum[t], cf, add);
             m[t] = mx;
-            _mm512_store_ps(corr + 16 * t, c);
+            _mm512_store_ps(corr + 16 * t, cf);
         }
-        prefill_weighted((const float (*)[PF_LANES])p, corr, v + j0 * vs, vs, nk, lanes, D, o);
+        step_rows(a->value, bt, a->bs, a->row, c, D, j0, nk, vbuf, vr, a->bf16);
+        prefill_weighted((const float (*)[PF_LANES])p, corr, vr, nk, lanes, D, o);
     }
     _Alignas(64) float total[PF_LANES];
     for (int t = 0; t < 3; ++t) _mm512_store_ps(total + 16 * t, sum[t]);
     for (int64_t l = 0; l < nq; ++l) {
-        const int64_t at = (i0 + l / g) * os + (c * g + l % g) * D;
-        const float inv = 1.f / total[l];  /* key 0 is every query's: the sum is positive */
+        const int64_t to = (first + i0 + l / g) * a->os + (c * g + l % g) * D;
+        const float inv = 1.f / total[l];  /* position 0 is every query's: the sum is positive */
         for (int64_t d = 0; d < D; ++d) {
             const float x = o[l * D + d] * inv;
-            if (bf16) ((uint16_t *)out)[at + d] = f32_to_bf16(x);
-            else ((float *)out)[at + d] = x;
+            if (a->bf16) ((uint16_t *)a->out)[to + d] = f32_to_bf16(x);
+            else ((float *)a->out)[to + d] = x;
         }
     }
 }
 
-/* A work item: query rows [i0, end) of request r for KV head c. Its cost grows with end (the keys it reads,
-   times its rows): the threads take the items longest first, so that none is left with a long one at the end. */
+/* A work item: query rows [i0, end) of chunk r for KV head c; its cost grows with the positions its last row
+   sees (cost), times its rows. The threads take the items costliest first, so that none is left with a long
+   one at the end. */
 typedef struct {
-    int64_t end, r, i0, c;
+    int64_t cost, r, i0, end, c;
 } prefill_work;
 
-static int longest_first(const void *a, const void *b) {
-    const int64_t x = ((const prefill_work *)a)->end, y = ((const prefill_work *)b)->end;
+static int costliest_first(const void *a, const void *b) {
+    const int64_t x = ((const prefill_work *)a)->cost, y = ((const prefill_work *)b)->cost;
     return (x < y) - (x > y);
-}
-
-/* rows x cols values at src (rows `stride` elements apart, bf16 or fp32) as fp32 into dst, rows cols apart. */
-static void widen_rows(const void *src, int64_t stride, int64_t rows, int64_t cols, float *dst, const int bf16,
-                       int64_t threads) {
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t e = 0; e < cols; ++e) dst[r * cols + e] = elem(src, r * stride + e, bf16);
 }
 #endif
 
-/* Whether this build has the prefill kernel (an AVX-512 target): kiln_prefill_causal returns -2 without. */
+/* Whether this build has the prefill kernel (an AVX-512 target): kiln_prefill_layer returns -2 without. */
 int kiln_prefill_available(void) {
 #if defined(__AVX512F__)
     return 1;
@@ -1042,64 +1065,59 @@ int kiln_prefill_available(void) {
 #endif
 }
 
-/* Causal attention of B fresh prompts (above), each a range of the `rows` rows of q, k, v and out: ranges[2r]
- * its first, ranges[2r + 1] how many. Returns 0; -1 for a range that is empty or outside them; -2 where the
- * kernel does not take the shapes (D not a multiple of 16 or over KILN_MAX_DIM, more than PF_LANES query
- * heads to a KV head) or the CPU lacks AVX-512 (the caller's SDPA path then runs); -3 when a buffer could
- * not be allocated. Nothing is written unless it returns 0. */
-int kiln_prefill_causal(const void *q, int64_t qs, const void *k, int64_t ks, const void *v, int64_t vs, void *out,
-                        int64_t os, int64_t rows, const int64_t *ranges, int64_t B, int64_t H, int64_t KV,
-                        int64_t D, int32_t scale_bits, int64_t bf16, int64_t threads)
+/* One layer's attention of B prefill chunks (above) over cache ([2, num_slots / bs, bs, KV, D]); q and out
+ * rows of H heads of D values side by side, `rows` of them; the block table `bt_rows` rows of bt_stride.
+ * Returns 0; -1 for a chunk outside those (rows, table rows, blocks) or empty; -2 where the kernel does not
+ * take the shapes (D not a multiple of 16 or over KILN_MAX_DIM, more than PF_LANES query heads to a KV head)
+ * or the CPU lacks AVX-512 (the caller's SDPA path then runs); -3 when a buffer could not be allocated.
+ * Nothing is written unless it returns 0. */
+int kiln_prefill_layer(const void *q, int64_t qs, const void *cache, int64_t num_slots, const int32_t *bt,
+                       int64_t bt_stride, int64_t bt_rows, const int64_t *chunks, int64_t B, void *out, int64_t os,
+                       int64_t rows, int64_t H, int64_t KV, int64_t D, int64_t bs, int32_t scale_bits, int64_t bf16,
+                       int64_t threads)
 {
 #if defined(__AVX512F__)
-    float scale;
-    memcpy(&scale, &scale_bits, sizeof scale);
     const int64_t g = KV > 0 ? H / KV : 0;
-    if (g < 1 || g * KV != H || g > PF_LANES || D < 16 || D % 16 || D > KILN_MAX_DIM || B < 1) return -2;
-    int64_t T = 0;  /* rows up to the last range's end: the rows widened for bf16 */
+    if (g < 1 || g * KV != H || g > PF_LANES || D < 16 || D % 16 || D > KILN_MAX_DIM || B < 1 || bs < 1)
+        return -2;
+    const int64_t blocks = num_slots / bs;
     for (int64_t r = 0; r < B; ++r) {
-        if (ranges[2 * r] < 0 || ranges[2 * r + 1] < 1 || ranges[2 * r + 1] > rows - ranges[2 * r]) return -1;
-        T = ranges[2 * r] + ranges[2 * r + 1] > T ? ranges[2 * r] + ranges[2 * r + 1] : T;
+        const int64_t *ch = chunks + 4 * r;
+        if (ch[0] < 0 || ch[1] < 1 || ch[1] > rows - ch[0] || ch[2] < ch[1] || ch[3] < 0 || ch[3] >= bt_rows
+            || (ch[2] - 1) / bs >= bt_stride)
+            return -1;
+        for (int64_t b = 0; b <= (ch[2] - 1) / bs; ++b)
+            if (bt[ch[3] * bt_stride + b] < 0 || bt[ch[3] * bt_stride + b] >= blocks) return -1;
     }
+    prefill_args a = {q, cache, (const char *)cache + num_slots * KV * D * (bf16 ? 2 : 4), out, qs, os, KV * D, bs,
+                      g, D, 0.f, (int)bf16};
+    memcpy(&a.scale, &scale_bits, sizeof a.scale);
     const int64_t per = PF_LANES / g;  /* query rows a work item */
-    const float *kf = k, *vf = v;
-    float *wide = NULL;
-    if (bf16) {  /* fp32 copies of the keys and values, rows of KV * D */
-        wide = malloc(sizeof(float) * (size_t)(2 * T * KV * D));
-        if (!wide) return -3;
-        widen_rows(k, ks, T, KV * D, wide, 1, threads);
-        widen_rows(v, vs, T, KV * D, wide + T * KV * D, 1, threads);
-        kf = wide;
-        vf = wide + T * KV * D;
-        ks = vs = KV * D;
-    }
     int64_t items = 0;
-    for (int64_t r = 0; r < B; ++r) items += (ranges[2 * r + 1] + per - 1) / per * KV;
-    prefill_work *work = malloc(sizeof(prefill_work) * (size_t)(items > 0 ? items : 1));
-    if (!work) { free(wide); return -3; }
+    for (int64_t r = 0; r < B; ++r) items += (chunks[4 * r + 1] + per - 1) / per * KV;
+    prefill_work *work = malloc(sizeof(prefill_work) * (size_t)items);
+    if (!work) return -3;
     int64_t n = 0;
     for (int64_t r = 0; r < B; ++r) {
-        const int64_t len = ranges[2 * r + 1];
-        for (int64_t i0 = 0; i0 < len; i0 += per)
-            for (int64_t c = 0; c < KV; ++c)
-                work[n++] = (prefill_work){i0 + per < len ? i0 + per : len, r, i0, c};
+        const int64_t len = chunks[4 * r + 1], at = chunks[4 * r + 2] - len;
+        for (int64_t i0 = 0; i0 < len; i0 += per) {
+            const int64_t end = i0 + per < len ? i0 + per : len;
+            for (int64_t c = 0; c < KV; ++c) work[n++] = (prefill_work){(at + end) * (end - i0), r, i0, end, c};
+        }
     }
-    qsort(work, (size_t)items, sizeof(prefill_work), longest_first);
+    qsort(work, (size_t)items, sizeof(prefill_work), costliest_first);
     #pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
         const prefill_work w = work[it];
-        const int64_t first = ranges[2 * w.r];
-        const size_t qe = bf16 ? 2 : 4;
-        prefill_item((const char *)q + first * qs * qe, qs, kf + first * ks + w.c * D, ks, vf + first * vs + w.c * D,
-                     vs, (char *)out + first * os * qe, os, w.i0, w.end, w.c, g, D, scale, bf16);
+        const int64_t *ch = chunks + 4 * w.r;
+        prefill_item(&a, ch[0], ch[2] - ch[1], bt + ch[3] * bt_stride, w.i0, w.end, w.c);
     }
     free(work);
-    free(wide);
     return 0;
 #else
-    (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)out, (void)os, (void)rows, (void)ranges, (void)B,
-        (void)H,
-        (void)KV, (void)D, (void)scale_bits, (void)bf16, (void)threads;
+    (void)q, (void)qs, (void)cache, (void)num_slots, (void)bt, (void)bt_stride, (void)bt_rows, (void)chunks, (void)B,
+        (void)out, (void)os, (void)rows, (void)H, (void)KV, (void)D, (void)bs, (void)scale_bits, (void)bf16,
+        (void)threads;
     return -2;
 #endif
 }

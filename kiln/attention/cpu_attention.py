@@ -1,6 +1,6 @@
 """C kernels for attention on CPU (``cpu_attention.c``): single-query (decode)
 attention read straight from the paged KV cache, and the causal attention of
-fresh prompts over their own keys and values (prefill).
+prefill chunks over the same cache.
 
 The torch backend's own decode path gathers every decode request's blocks
 (``index_select`` of K and of V, a padded copy each layer) and runs SDPA over
@@ -27,12 +27,13 @@ Python: the backend's forward at one request of 100 tokens took 23-44 us a
 layer, now 12-17 us (2 threads, scratch timing), about 0.5 ms of a 30-layer
 decode step.
 
-A prefill step's fresh prompts, chunks with no cached prefix, are one call
-(``CpuAttentionKernel.prefill``) where the backend made an SDPA call a prompt,
-each with its slicing and copy in Python. The bench's first prefill step of 64
-mixed requests (30 prompts of 16-128 tokens, 2016 tokens; 2 threads of an
-Intel Xeon, scratch timings): one layer's attention 3.1 ms in fp32 and 2.1 in
-bf16 through SDPA, SDPA's calls alone 2.4 and 1.5 ms, the kernel 1.5 and 1.7 ms.
+A prefill step's chunks are one call a layer (``CpuAttentionKernel.prefill``)
+where the backend made an SDPA call a chunk, each with its slicing and copy
+in Python (and a gather of its blocks where it had a cached prefix). The
+bench's first prefill step of 64 mixed requests (30 prompts of 16-128 tokens,
+2016 tokens; 2 threads of an Intel Xeon, scratch timings): one layer's
+attention 3.1 ms in fp32 and 2.1 in bf16 through SDPA, SDPA's calls alone 2.4
+and 1.5 ms, the kernel 1.5 and 1.7 ms.
 
 It is a compiled artifact like Inductor's kernels (``kiln.native``): built
 when a CPU entry is compiled, kept in the Inductor cache, loaded at a warm
@@ -112,7 +113,7 @@ class DecodeStep:
 
 class CpuAttentionKernel:
     """The built library, loaded; ``layer`` runs one layer of a decode step,
-    ``prefill`` the attention of a step's fresh prompts."""
+    ``prefill`` the attention of a step's prefill chunks."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -124,13 +125,13 @@ class CpuAttentionKernel:
         fn.argtypes = [p, p, i, p, i, p, i, p, i, p, i, i, i, i, i, ctypes.c_int32, i, i]
         fn.restype = ctypes.c_int
         self._layer = fn
-        fn = lib.kiln_prefill_causal
-        fn.argtypes = [p, i, p, i, p, i, p, i, i, p, i, i, i, i, ctypes.c_int32, i, i]
+        fn = lib.kiln_prefill_layer
+        fn.argtypes = [p, i, p, i, p, i, i, p, i, p, i, i, i, i, i, i, ctypes.c_int32, i, i]
         fn.restype = ctypes.c_int
         self._prefill = fn
         lib.kiln_prefill_available.restype = ctypes.c_int
-        #: whether ``prefill`` can run here (an AVX-512 build); without it fresh
-        #: prompts stay on the backend's other paths
+        #: whether ``prefill`` can run here (an AVX-512 build); without it prefill
+        #: chunks stay on the backend's other paths
         self.prefills = bool(lib.kiln_prefill_available())
 
     def native_sites(self) -> list[tuple[object, str]]:
@@ -171,38 +172,41 @@ class CpuAttentionKernel:
         return rc == 0
 
 
-    def prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
-                ranges: torch.Tensor, scale: float) -> bool:
-        """Causal attention of fresh prompts, each a row of ``ranges`` ([n, 2]
-        int64: first row, rows) of ``query`` ([T, H, D]), ``key`` and
-        ``value`` ([T, KV, D], its own keys and values: no cached prefix),
-        written to the same rows of ``out``. False, with nothing written, where
-        the kernel does not take these tensors (a dtype other than fp32 and
-        bf16, heads not side by side in a row, head dims that are not a
-        multiple of 16 or over 256, more than 48 query heads to a KV head, a
-        CPU without AVX-512): the caller's SDPA path then runs."""
-        dtype = query.dtype
+    def prefill(self, query: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                chunks: torch.Tensor, scale: float) -> bool:
+        """Causal attention of prefill chunks over ``kv_cache`` ([2, blocks,
+        block_size, KV, D], the step's keys and values already in it), each a
+        row of ``chunks`` ([n, 4] int64: its first row of ``query``, its rows,
+        its context length counting them, its row of ``block_table``); the
+        chunk's rows of ``query`` ([T, H, D]) are the last positions of its
+        context, and its rows of ``out`` are written. False, with nothing
+        written, where the kernel does not take these tensors (a dtype other
+        than fp32 and bf16, heads not side by side in a row, head dims that
+        are not a multiple of 16 or over 256, more than 48 query heads to a KV
+        head, a CPU without AVX-512): the caller's SDPA path then runs."""
+        dtype = kv_cache.dtype
         bf16 = _DTYPES.get(dtype)
-        if bf16 is None or not self.prefills or ranges.dim() != 2 or ranges.shape[0] == 0:
+        if bf16 is None or not self.prefills or not kv_cache.is_cpu or not kv_cache.is_contiguous():
             return False
-        qs, ks, vs, os = query.stride(), key.stride(), value.stride(), out.stride()
-        head_dim = query.shape[2]
-        if not (key.dtype == value.dtype == out.dtype == dtype and query.is_cpu and key.is_cpu and value.is_cpu
-                and out.is_cpu and key.shape[2] == value.shape[2] == head_dim and key.shape[1] == value.shape[1]
-                and qs[2] == ks[2] == vs[2] == os[2] == 1 and qs[1] == os[1] == ks[1] == vs[1] == head_dim
-                and out.shape == query.shape):
+        _, blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        qs, os = query.stride(), out.stride()
+        if not (query.dtype == out.dtype == dtype and query.is_cpu and out.is_cpu and out.shape == query.shape
+                and query.shape[2] == head_dim and qs[2] == os[2] == 1 and qs[1] == os[1] == head_dim
+                and block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.stride(1) == 1):
             return False
-        if not (ranges.dtype == torch.int64 and ranges.shape[1] == 2 and ranges.is_contiguous()):
-            raise ValueError(f"prefill ranges must be a contiguous [n, 2] int64 tensor, got {ranges.dtype} "
-                             f"{tuple(ranges.shape)}")
-        rows = min(query.shape[0], key.shape[0], value.shape[0])
-        rc = self._prefill(query.data_ptr(), qs[0], key.data_ptr(), ks[0], value.data_ptr(), vs[0], out.data_ptr(),
-                           os[0], rows, ranges.data_ptr(), ranges.shape[0], query.shape[1], key.shape[1], head_dim,
+        if not (chunks.dtype == torch.int64 and chunks.dim() == 2 and chunks.shape[1] == 4 and chunks.is_contiguous()
+                and chunks.shape[0] > 0):
+            raise ValueError(f"prefill chunks must be a contiguous [n, 4] int64 tensor, n > 0; got {chunks.dtype} "
+                             f"{tuple(chunks.shape)}")
+        rc = self._prefill(query.data_ptr(), qs[0], kv_cache.data_ptr(), blocks * block_size, block_table.data_ptr(),
+                           block_table.stride(0), block_table.shape[0], chunks.data_ptr(), chunks.shape[0],
+                           out.data_ptr(), os[0], query.shape[0], query.shape[1], num_kv_heads, head_dim, block_size,
                            _float_bits(scale), bf16, torch.get_num_threads())
         if rc == -1:
-            raise IndexError(f"prefill ranges {ranges.tolist()} (first row, rows) include an empty one or one "
-                             f"outside the {rows} rows of the query, key and value")
-        return rc == 0  # -3: no memory for the kernel's buffers, left to SDPA
+            raise IndexError(f"prefill chunks {chunks.tolist()} (first row, rows, context, table row) include an "
+                             f"empty one or one outside the {query.shape[0]} query rows, the block table's "
+                             f"{tuple(block_table.shape)} or the cache's {blocks} blocks")
+        return rc == 0  # -3: no memory for the kernel's list of work, left to SDPA
 
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's dtypes, as its bf16 flag

@@ -5,11 +5,11 @@ their blocks gathered and padded to the longest context, or, on CPU with the C
 kernel a compiled entry brings (``kiln.attention.cpu_attention``), through that
 kernel, which writes the layer's new keys and values and reads the cache in
 place in one call; prefill chunks walk their requests in Python with host-side
-lengths, one SDPA call each, except that with the kernel the step's fresh
-prompts (chunks with no cached prefix) are one call of its causal prefill,
-and a short chunk of a longer context has its tokens as rows of the decode
-call (``TorchAttentionBackend.native_chunk_pairs``). Host-side lengths mean
-it can never sit inside a FULL CUDA graph.
+lengths, one SDPA call each, except that with the kernel a short chunk of a
+longer context has its tokens as rows of the decode call
+(``TorchAttentionBackend.native_chunk_pairs``) and the other chunks are one
+call of its causal prefill over the cache. Host-side lengths mean it can
+never sit inside a FULL CUDA graph.
 
 With the C kernel, a step of single-query requests is one kernel call a
 layer whose per-step values (rows, block tables, lengths, slots) the kernel
@@ -61,19 +61,19 @@ class TorchAttentionMetadata:
     per_request: tuple[int, ...]  # requests attended to one by one (all of them when decode is None)
     # the step for the C kernel, when the backend has one: the new tokens' slots,
     # the single-query requests (those of ``decode``, or none) and, a row per
-    # token, the short chunks (those of ``per_request`` neither ``fresh`` nor in ``left_by_native``)
+    # token, the short chunks (those of ``per_request`` neither in ``prefill`` nor in ``left_by_native``)
     native: DecodeStep | None = None
     # the requests of ``per_request`` left to SDPA when the C kernel takes the
-    # layer: the chunks too long for it (``native_chunk_pairs``) that are not fresh
+    # layer: the chunks too long for it (``native_chunk_pairs``) where it has no prefill
     left_by_native: tuple[int, ...] = ()
-    # the fresh prompts (``per_request`` chunks with no cached prefix) for the C
-    # kernel's causal prefill, shortest first, with their lengths and their rows
-    # as [first, count] ([n, 2] int64); in bf16 it takes the first
-    # ``fresh_bf16`` of them (``TorchAttentionBackend.native_prefill_bf16``)
-    fresh: tuple[int, ...] = ()
-    fresh_lengths: tuple[int, ...] = ()
-    fresh_ranges: torch.Tensor | None = None
-    fresh_bf16: int = 0
+    # the chunks of ``per_request`` for the C kernel's causal prefill, fewest
+    # (query, key) pairs first, with their context lengths and, for the kernel,
+    # [first row, rows, context, block-table row] ([n, 4] int64); in bf16 it
+    # takes the first ``prefill_bf16`` (``TorchAttentionBackend.native_prefill_bf16_pairs``)
+    prefill: tuple[int, ...] = ()
+    prefill_contexts: tuple[int, ...] = ()
+    prefill_chunks: torch.Tensor | None = None
+    prefill_bf16: int = 0
     # what ``decode`` is gathered from, on its first use: the step's metadata and
     # the batched single-query requests (empty: none)
     common: CommonAttentionMetadata | None = None
@@ -324,15 +324,16 @@ class TorchAttentionBackend(AttentionBackend):
     #: tokens 267 against 321, 12 of 90 tokens 265 against 285, 8 of 64 tokens
     #: 130 against 133, one of 20 tokens 18.9 against 21.1.
     native_chunk_pairs = 4096
-    #: With the C kernel, the longest fresh prompt in bf16 its causal prefill
-    #: takes; longer ones take one SDPA call each. Its sums run in fp32 vector
-    #: lanes, where SDPA's bf16 kernel multiplies bf16 tiles: one prompt of the
-    #: 135M shape, 2 threads of an Intel Xeon (scratch timings, 2026-12-07),
-    #: 128 tokens 0.12 ms against SDPA's 0.10 (and 20 us of Python a call in
-    #: the loop), 512 tokens 1.15 against 0.98, 2048 17.4 against 7.9; in
-    #: fp32 the kernel was ahead at all three (0.10 against 0.18, 1.3
-    #: against 2.3, 17 against 20 ms).
-    native_prefill_bf16 = 256
+    #: With the C kernel, the most (query, key) pairs a chunk in bf16 may have
+    #: for its causal prefill (a fresh prompt of 256 tokens); larger ones take
+    #: one SDPA call each. The kernel's sums run in fp32 vector lanes, where
+    #: SDPA's bf16 kernel multiplies bf16 tiles: one prompt of the 135M shape,
+    #: 2 threads of an Intel Xeon (scratch timings, 2026-12-07), 128 tokens
+    #: 0.12 ms against SDPA's 0.10 (and 20 us of Python a call in the loop),
+    #: 512 tokens 1.15 against 0.98, 2048 17.4 against 7.9; in fp32 the kernel
+    #: was ahead at all three (0.10 against 0.18, 1.3 against 2.3, 17 against
+    #: 20 ms).
+    native_prefill_bf16_pairs = 256 * 257 // 2
 
     def __init__(self, decode_kernel: CpuAttentionKernel | None = None) -> None:
         self.decode_kernel = decode_kernel
@@ -354,13 +355,15 @@ class TorchAttentionBackend(AttentionBackend):
         native = self.decode_kernel is not None
         batched = len(decodes) >= (1 if native else self.min_decode_batch)
         per_request = tuple(i for i in reqs if qsl[i + 1] - qsl[i] != 1) if batched else tuple(reqs)
+        pairs = {i: _pairs(qsl[i + 1] - qsl[i], seq_lens[i]) for i in per_request}
+        # a short chunk of a longer context: a row a token in the decode call; where the kernel has its
+        # prefill, a fresh prompt and a longer chunk: the prefill call
         prefills = native and self.decode_kernel.prefills
-        fresh = tuple(sorted((i for i in per_request if qsl[i + 1] - qsl[i] == seq_lens[i]),
-                             key=lambda i: seq_lens[i])) if prefills else ()
-        lengths = tuple(seq_lens[i] for i in fresh)
-        chunks = [i for i in per_request if (not prefills or seq_lens[i] != qsl[i + 1] - qsl[i])
-                  and _pairs(qsl[i + 1] - qsl[i], seq_lens[i]) <= self.native_chunk_pairs] if native else []
-        taken = set(chunks) | set(fresh)
+        chunks = [i for i in per_request if pairs[i] <= self.native_chunk_pairs
+                  and not (prefills and seq_lens[i] == qsl[i + 1] - qsl[i] > 0)] if native else []
+        rows = set(chunks)
+        prefill = tuple(sorted((i for i in per_request if i not in rows), key=pairs.__getitem__)) if prefills else ()
+        taken = rows | set(prefill)
         return TorchAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             num_reqs=common.num_reqs,
@@ -372,11 +375,11 @@ class TorchAttentionBackend(AttentionBackend):
             per_request=per_request,
             native=self.native_steps.step(common, decodes, qsl, seq_lens, chunks) if native else None,
             left_by_native=tuple(i for i in per_request if i not in taken),
-            fresh=fresh,
-            fresh_lengths=lengths,
-            fresh_ranges=torch.tensor([[qsl[i], n] for i, n in zip(fresh, lengths)], dtype=torch.int64)
-            if fresh else None,
-            fresh_bf16=bisect.bisect_right(lengths, self.native_prefill_bf16),
+            prefill=prefill,
+            prefill_contexts=tuple(seq_lens[i] for i in prefill),
+            prefill_chunks=torch.tensor([[qsl[i], qsl[i + 1] - qsl[i], seq_lens[i], i] for i in prefill],
+                                        dtype=torch.int64) if prefill else None,
+            prefill_bf16=bisect.bisect_right([pairs[i] for i in prefill], self.native_prefill_bf16_pairs),
             common=common,
             decodes=tuple(decodes) if batched else (),
         )
@@ -391,12 +394,13 @@ class TorchAttentionBackend(AttentionBackend):
         if step is not None and kernel is not None and kernel.layer(query, key, value, out, kv_cache, step, scale,
                                                                     sliding_window):
             left = meta.left_by_native
-            if meta.fresh:
-                taken = meta.fresh_bf16 if query.dtype == torch.bfloat16 else len(meta.fresh)
-                if taken and (0 < sliding_window < meta.fresh_lengths[taken - 1]  # a window cuts: not causal
-                              or not kernel.prefill(query, key, value, out, meta.fresh_ranges[:taken], scale)):
+            if meta.prefill:
+                taken = meta.prefill_bf16 if query.dtype == torch.bfloat16 else len(meta.prefill)
+                if taken and (0 < sliding_window < max(meta.prefill_contexts[:taken])  # a window cuts: not causal
+                              or not kernel.prefill(query, out, kv_cache, meta.block_table,
+                                                    meta.prefill_chunks[:taken], scale)):
                     taken = 0
-                left = left + meta.fresh[taken:]
+                left = left + meta.prefill[taken:]
             _attend_each(query, kv_cache, out, meta, scale, sliding_window, (key, value), left)
             return
         if n:

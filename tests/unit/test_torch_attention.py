@@ -159,13 +159,14 @@ def test_the_c_decode_kernel_equals_dense_attention(decode_kernel, kernel_only, 
     backend = TorchAttentionBackend().with_decode_kernel(decode_kernel)
     backend.native_chunk_pairs = chunk_pairs
     meta = backend.build_metadata(common)
-    # fresh prompts to the kernel's causal prefill (a build that has it), then a row for each decode and for
-    # each token of the other chunks short enough
-    fresh = {i for i, (q, n) in enumerate(zip(q_lens, seq_lens)) if 1 < q == n} if decode_kernel.prefills else set()
+    # a row for each decode and for each token of the chunks short enough, fresh prompts aside where the
+    # build has the causal prefill, which takes every other chunk
+    prefills = decode_kernel.prefills
     short = {i for i, (q, n) in enumerate(zip(q_lens, seq_lens))
-             if q > 1 and i not in fresh and q * (n - q) + q * (q + 1) // 2 <= chunk_pairs}
-    assert set(meta.fresh) == fresh
-    assert set(meta.per_request) - set(meta.left_by_native) == short | fresh
+             if q > 1 and not (prefills and q == n) and q * (n - q) + q * (q + 1) // 2 <= chunk_pairs}
+    prefill = {i for i, q in enumerate(q_lens) if q > 1 and i not in short} if prefills else set()
+    assert set(meta.prefill) == prefill
+    assert set(meta.per_request) - set(meta.left_by_native) == short | prefill
     rows = sum(q for i, q in enumerate(q_lens) if q == 1 or i in short)
     assert meta.native is not None and meta.native.num_rows == rows
     out = torch.full_like(query, float("nan"))  # every row is written: by the kernel, or the chunks by SDPA
@@ -173,105 +174,123 @@ def test_the_c_decode_kernel_equals_dense_attention(decode_kernel, kernel_only, 
     torch.testing.assert_close(out, _dense(kv_cache, common, query, window, 0.3), atol=1e-5, rtol=1e-5)
 
 
-def _causal(query, key, value, ranges, scale: float) -> torch.Tensor:
-    """Each range's causal attention over its own keys, one head at a time
-    (rows outside every range: NaN)."""
-    out = torch.full_like(query, float("nan"))
-    group = query.shape[1] // key.shape[1]
-    for first, n in ranges:
-        keep = torch.ones(n, n, dtype=torch.bool).tril()
-        for h in range(query.shape[1]):
-            s = (query[first:first + n, h] @ key[first:first + n, h // group].T) * scale
-            out[first:first + n, h] = torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ value[
-                first:first + n, h // group]
-    return out
+def _chunks(common, requests) -> torch.Tensor:
+    """The prefill kernel's rows for these requests: first query row, rows, context, block-table row."""
+    qsl, seq_lens = common.query_start_loc_cpu, common.seq_lens_cpu
+    return torch.tensor([[int(qsl[i]), int(qsl[i + 1] - qsl[i]), int(seq_lens[i]), i] for i in requests],
+                        dtype=torch.int64)
 
 
 @pytest.mark.parametrize("kv_heads, group, head_dim",
                          [(3, 3, 64), (1, 1, 16), (2, 7, 64), (1, 48, 32), (4, 2, 128), (1, 3, 256)])
+@pytest.mark.parametrize("block_size", [16, 12])  # 12: a step of 8 keys spans two blocks
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_prefill_kernel_equals_causal_attention(decode_kernel, kv_heads: int, group: int, head_dim: int,
-                                                     dtype) -> None:
-    """Prompts of 1 to 100 tokens, rows between them that no range covers
-    (left as they were), query rows strided as the fused projection hands
-    them over; every build that lacks the kernel declines, writing nothing."""
-    g = torch.Generator().manual_seed(kv_heads * group + head_dim)
-    ranges = [(0, 17), (20, 1), (21, 48), (75, 100), (175, 5), (181, 49)]  # rows 17-19 and 180: no prompt's
-    rows = 230
-    fused = torch.randn(rows, kv_heads * (group + 2), head_dim, generator=g).to(dtype)
+def test_the_prefill_kernel_equals_dense_attention(decode_kernel, kv_heads: int, group: int, head_dim: int,
+                                                   block_size: int, dtype) -> None:
+    """Fresh prompts of 17 to 60 tokens and chunks after a cached prefix,
+    read from the paged cache; a decode between them whose row no chunk
+    covers (left as it was); query rows strided as the fused projection
+    hands them over. Every build that lacks the kernel declines, writing
+    nothing."""
+    q_lens, seq_lens = [17, 1, 48, 60, 5, 30], [17, 30, 48, 60, 70, 90]
+    kv_cache, common, query, key, value = _step(q_lens, seq_lens, seed=kv_heads * group + head_dim,
+                                                kv_heads=kv_heads, group=group, head_dim=head_dim,
+                                                block_size=block_size)
+    fused = torch.zeros(query.shape[0], kv_heads * (group + 2), head_dim)
+    fused[:, : kv_heads * group] = query
     query = fused[:, : kv_heads * group]
-    key = torch.randn(rows, kv_heads, head_dim, generator=g).to(dtype)
-    value = torch.randn(rows, kv_heads, head_dim, generator=g).to(dtype)
+    kv_cache, query = kv_cache.to(dtype), query.to(dtype)
+    chunks = [0, 2, 3, 4, 5]
     out = torch.full_like(query, float("nan"))
-    taken = decode_kernel.prefill(query, key, value, out, torch.tensor(ranges, dtype=torch.int64), 0.3)
+    taken = decode_kernel.prefill(query, out, kv_cache, common.block_table, _chunks(common, chunks), 0.3)
     assert taken == decode_kernel.prefills
     if not taken:
         assert out.isnan().all()
         return
-    want = _causal(query.float(), key.float(), value.float(), ranges, 0.3)
+    assert out[17].isnan().all()  # the decode's row
+    want = _dense(kv_cache.float(), common, query.float(), 0, 0.3)
+    rows = torch.ones(query.shape[0], dtype=torch.bool)
+    rows[17] = False
     if dtype == torch.float32:  # sums in another order: scores of up to about 5 at head dim 256
-        torch.testing.assert_close(out, want, atol=5e-5, rtol=5e-5, equal_nan=True)
+        torch.testing.assert_close(out[rows], want[rows], atol=5e-5, rtol=5e-5)
     else:  # fp32 sums, rounded once: one bf16 step from the rounded reference
-        torch.testing.assert_close(out.float(), want.to(dtype).float(), atol=1e-2, rtol=2 ** -7, equal_nan=True)
+        torch.testing.assert_close(out[rows].float(), want[rows].to(dtype).float(), atol=1e-2, rtol=2 ** -7)
 
 
-def test_the_prefill_kernel_refuses_ranges_outside_the_rows(decode_kernel) -> None:
-    """Nothing written either way; a build without the kernel declines first."""
-    query, key, value = torch.randn(10, 3, 16), torch.randn(10, 1, 16), torch.randn(10, 1, 16)
+def test_the_prefill_kernel_refuses_chunks_outside_its_tensors(decode_kernel) -> None:
+    """Rows, table rows, contexts past the table's blocks, or block ids past
+    the cache: an error naming the chunks, nothing written; a build without
+    the kernel declines first."""
+    kv_cache, common, query, key, value = _step([4, 6], [4, 30], seed=9, kv_heads=1, group=3, head_dim=16)
+    blocks = kv_cache.shape[1]
+    bad_table = common.block_table.clone()
+    bad_table[1, 0] = blocks  # past the cache
     out = torch.zeros_like(query)
-    for bad in ([[0, 4], [6, 5]], [[-1, 2]], [[3, 0]]):
-        ranges = torch.tensor(bad, dtype=torch.int64)
+    for chunks, table in (([[0, 4, 4, 0], [4, 7, 30, 1]], common.block_table),  # past the 10 query rows
+                          ([[0, 4, 4, 2]], common.block_table),  # no third table row
+                          ([[0, 4, 3, 0]], common.block_table),  # a context shorter than the chunk
+                          ([[0, 4, 10_000, 0]], common.block_table),  # past the table's blocks
+                          ([[0, 0, 4, 0]], common.block_table),  # empty
+                          ([[4, 6, 30, 1]], bad_table)):
+        spec = torch.tensor(chunks, dtype=torch.int64)
         if decode_kernel.prefills:
-            with pytest.raises(IndexError, match=r"prefill ranges .* outside the 10 rows"):
-                decode_kernel.prefill(query, key, value, out, ranges, 1.0)
+            with pytest.raises(IndexError, match=r"prefill chunks .* outside the 10 query rows"):
+                decode_kernel.prefill(query, out, kv_cache, table, spec, 1.0)
         else:
-            assert decode_kernel.prefill(query, key, value, out, ranges, 1.0) is False
+            assert decode_kernel.prefill(query, out, kv_cache, table, spec, 1.0) is False
     assert (out == 0).all()
     if decode_kernel.prefills:
-        with pytest.raises(ValueError, match=r"\[n, 2\] int64"):
-            decode_kernel.prefill(query, key, value, out, torch.tensor([[0, 4]], dtype=torch.int32), 1.0)
+        with pytest.raises(ValueError, match=r"\[n, 4\] int64"):
+            decode_kernel.prefill(query, out, kv_cache, common.block_table,
+                                  torch.tensor([[0, 4, 4, 0]], dtype=torch.int32), 1.0)
+
+
+def _spy(kernel) -> list:
+    """The chunk lists of ``kernel.prefill``'s calls, which still run (undo with ``del kernel.prefill``)."""
+    calls = []
+    real = kernel.prefill
+    kernel.prefill = lambda *args: calls.append(args[4].tolist()) or real(*args)
+    return calls
 
 
 @pytest.mark.parametrize("window", [0, 6, 40])
-def test_fresh_prompts_that_a_window_cuts_go_to_sdpa(decode_kernel, kernel_only, window: int) -> None:
-    """A sliding window shorter than a fresh prompt is not plain causal
-    attention: every fresh prompt of the step then goes to SDPA."""
+def test_prefill_chunks_that_a_window_cuts_go_to_sdpa(decode_kernel, kernel_only, window: int) -> None:
+    """A sliding window shorter than a chunk's context is not plain causal
+    attention: every prefill chunk of the step then goes to SDPA."""
     kv_cache, common, query, key, value = _step([1, 12, 30, 1], [9, 12, 30, 4], seed=3, kv_heads=2, group=3,
                                                 head_dim=64)
     backend = TorchAttentionBackend().with_decode_kernel(decode_kernel)
     meta = backend.build_metadata(common)
-    assert meta.fresh == ((1, 2) if decode_kernel.prefills else ())
-    calls = []
-    real = decode_kernel.prefill
-    decode_kernel.prefill = lambda *args: calls.append(args) or real(*args)
+    assert meta.prefill == ((1, 2) if decode_kernel.prefills else ())
+    calls = _spy(decode_kernel)
     try:
         out = torch.full_like(query, float("nan"))
         backend.forward(query, key, value, out, kv_cache, meta, 0.3, window)
     finally:
         del decode_kernel.prefill
-    assert len(calls) == (1 if decode_kernel.prefills and not 0 < window < 30 else 0)
+    assert calls == ([[[1, 12, 12, 1], [13, 30, 30, 2]]] if decode_kernel.prefills and not 0 < window < 30 else [])
     torch.testing.assert_close(out, _dense(kv_cache, common, query, window, 0.3), atol=1e-5, rtol=1e-5)
 
 
-def test_in_bf16_only_the_shorter_fresh_prompts_go_to_the_prefill_kernel(decode_kernel, kernel_only) -> None:
-    """Longer ones take SDPA's bf16 kernel (``native_prefill_bf16``)."""
-    kv_cache, common, query, key, value = _step([40, 1, 9, 25], [40, 6, 9, 25], seed=4, kv_heads=1, group=3,
+def test_in_bf16_only_the_smaller_chunks_go_to_the_prefill_kernel(decode_kernel, kernel_only) -> None:
+    """Larger ones take SDPA's bf16 kernel (``native_prefill_bf16_pairs``);
+    a short chunk after a cached prefix stays rows of the decode call."""
+    kv_cache, common, query, key, value = _step([40, 1, 9, 25, 3], [40, 6, 9, 25, 30], seed=4, kv_heads=1, group=3,
                                                 head_dim=64)
     kv_cache, query, key, value = (t.to(torch.bfloat16) for t in (kv_cache, query, key, value))
     backend = TorchAttentionBackend().with_decode_kernel(decode_kernel)
-    backend.native_prefill_bf16 = 30
+    backend.native_prefill_bf16_pairs = 25 * 26 // 2
     meta = backend.build_metadata(common)
     if decode_kernel.prefills:
-        assert meta.fresh == (2, 3, 0) and meta.fresh_lengths == (9, 25, 40) and meta.fresh_bf16 == 2
-    calls = []
-    real = decode_kernel.prefill
-    decode_kernel.prefill = lambda *args: calls.append(args[4].tolist()) or real(*args)
+        assert meta.prefill == (2, 3, 0) and meta.prefill_contexts == (9, 25, 40) and meta.prefill_bf16 == 2
+        assert meta.left_by_native == ()  # the 3-token chunk: rows of the decode call
+    calls = _spy(decode_kernel)
     try:
         out = torch.full_like(query, float("nan"))
         backend.forward(query, key, value, out, kv_cache, meta, 0.3, 0)
     finally:
         del decode_kernel.prefill
-    assert calls == ([[[41, 9], [50, 25]]] if decode_kernel.prefills else [])
+    assert calls == ([[[41, 9, 9, 2], [50, 25, 25, 3]]] if decode_kernel.prefills else [])
     want = _dense(kv_cache.float(), common, query.float(), 0, 0.3)
     torch.testing.assert_close(out.float(), want.to(torch.bfloat16).float(), atol=1e-2, rtol=2 ** -7)
 
