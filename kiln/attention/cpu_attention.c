@@ -833,10 +833,11 @@ int kiln_decode_layer(const kiln_step *st, const void *query, int64_t q_stride, 
  * the block table: chunks[4r .. 4r + 3] = first, n, len, table. The chunk's
  * query i, at position len - n + i, attends to positions 0 .. len - n + i.
  * What the torch backend ran as one SDPA call a chunk (with its keys gathered
- * from the blocks where it had a cached prefix): the bench's prefill step of
- * 30 prompts of 16-128 tokens (2016 tokens, 9 query and 3 KV heads of 64)
- * took 3.1 ms a layer in fp32 that way, 2.4 of them in SDPA, and 2.1 ms in
- * bf16 (scratch, 2 threads of an Intel Xeon).
+ * from the blocks where it had a cached prefix): the first prefill step of
+ * bench.decode --throughput 64 (30 prompts of 16-128 tokens, 9 query and 3 KV
+ * heads of 64) took 3.22 ms a layer that way in fp32 and 1.82 with this
+ * kernel; 2.23 and 1.48 ms in bf16 (2 threads of an Intel Xeon,
+ * bench/results/prefill-attention-cpu-20261207-160843.json).
  *
  * A work item is a tile of a chunk's query rows (48 / group of them) for the
  * query heads of one KV head: 48 query vectors, the lanes of three vectors of
@@ -850,7 +851,7 @@ int kiln_decode_layer(const kiln_step *st, const void *query, int64_t q_stride, 
  * query's position are masked on the steps that cross the diagonal, and no
  * step reads past the tile's last position. bf16 rows are widened to fp32 a
  * step of 8 keys at a time, the output rounded once. Items go to the threads
- * longest first (dynamic schedule). */
+ * costliest first (dynamic schedule). */
 #if defined(__AVX512F__)
 #define PF_LANES 48  /* query vectors of a work item */
 #define PF_KEYS 8    /* keys a step of the item's loop */

@@ -29,11 +29,14 @@ decode step.
 
 A prefill step's chunks are one call a layer (``CpuAttentionKernel.prefill``)
 where the backend made an SDPA call a chunk, each with its slicing and copy
-in Python (and a gather of its blocks where it had a cached prefix). The
-bench's first prefill step of 64 mixed requests (30 prompts of 16-128 tokens,
-2016 tokens; 2 threads of an Intel Xeon, scratch timings): one layer's
-attention 3.1 ms in fp32 and 2.1 in bf16 through SDPA, SDPA's calls alone 2.4
-and 1.5 ms, the kernel 1.5 and 1.7 ms.
+in Python (and a gather of its blocks where it had a cached prefix). One
+layer through the backend, ``python -m bench.cpu_kernels --only
+prefill-attention`` (2 threads of an Intel Xeon,
+bench/results/prefill-attention-cpu-20261207-160843.json): the first prefill
+step of ``bench.decode --throughput 64`` (30 prompts of 16-128 tokens) 3.22
+against 1.82 ms in fp32 and 2.23 against 1.48 in bf16; 8 prompts of 512
+tokens 19.4 against 12.0 ms in fp32, but 7.8 against 11.8 in bf16, where
+SDPA multiplies bf16 tiles (the backend's ``native_prefill_bf16_pairs``).
 
 It is a compiled artifact like Inductor's kernels (``kiln.native``): built
 when a CPU entry is compiled, kept in the Inductor cache, loaded at a warm
