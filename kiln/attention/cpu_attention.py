@@ -51,6 +51,7 @@ import ctypes
 import functools
 import struct
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -128,14 +129,18 @@ class CpuAttentionKernel:
         fn.argtypes = [p, p, i, p, i, p, i, p, i, p, i, i, i, i, i, ctypes.c_int32, i, i]
         fn.restype = ctypes.c_int
         self._layer = fn
-        fn = lib.kiln_prefill_layer
-        fn.argtypes = [p, i, p, i, p, i, i, p, i, p, i, i, i, i, i, i, ctypes.c_int32, i, i]
-        fn.restype = ctypes.c_int
-        self._prefill = fn
-        lib.kiln_prefill_available.restype = ctypes.c_int
-        #: whether ``prefill`` can run here (an AVX-512 build); without it prefill
-        #: chunks stay on the backend's other paths
-        self.prefills = bool(lib.kiln_prefill_available())
+        #: whether ``prefill`` can run here (an AVX-512 build of a library that has
+        #: it: one an older kiln built has not); without it prefill chunks stay on
+        #: the backend's other paths
+        self.prefills = hasattr(lib, "kiln_prefill_layer")
+        self._prefill: Any = None
+        if self.prefills:
+            fn = lib.kiln_prefill_layer
+            fn.argtypes = [p, i, p, i, p, i, i, p, i, p, i, i, i, i, i, i, ctypes.c_int32, i, i]
+            fn.restype = ctypes.c_int
+            self._prefill = fn
+            lib.kiln_prefill_available.restype = ctypes.c_int
+            self.prefills = bool(lib.kiln_prefill_available())
 
     def native_sites(self) -> list[tuple[object, str]]:
         """Where ``layer`` finds its native function (``kiln.graphs.cpu``)."""

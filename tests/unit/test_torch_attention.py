@@ -523,3 +523,24 @@ def test_the_c_kv_write_equals_index_copy(decode_kernel) -> None:
     assert torch.equal(got16, want16)
     # what the kernel does not take is left to the torch path
     assert not layer(key.double(), value.double(), got.double(), slots)
+
+
+def test_a_library_built_before_the_prefill_kernel_still_decodes(tmp_path) -> None:
+    """A library an older kiln built (an entry or a bundle naming it) has no
+    prefill: the kernel says so and the backend keeps its other paths."""
+    from kiln.attention.cpu_attention import SOURCE, CpuAttentionKernel
+    from kiln.native import NativeSource
+
+    source = SOURCE.path.read_text()
+    old = tmp_path / "cpu_attention.c"
+    cut = source.index("------------------------ prefill")  # the prefill section's opening comment
+    old.write_text(source[: source.rindex("/*", 0, cut)])
+    kernel = CpuAttentionKernel(tmp_path / NativeSource(old, "old-attention").build(tmp_path))
+    assert not kernel.prefills
+    kv_cache, common, query, key, value = _step([1, 12, 1], [9, 12, 4], seed=6, kv_heads=2, group=3, head_dim=64)
+    backend = TorchAttentionBackend().with_decode_kernel(kernel)
+    meta = backend.build_metadata(common)
+    assert meta.prefill == () and meta.native is not None
+    out = torch.full_like(query, float("nan"))
+    backend.forward(query, key, value, out, kv_cache, meta, 0.3, 0)
+    torch.testing.assert_close(out, _dense(kv_cache, common, query, 0, 0.3), atol=1e-5, rtol=1e-5)
