@@ -247,7 +247,7 @@ def _load_artifact(path: Path) -> Any:
 
 
 def _attention_kernel(inductor_dir: Path, name: str | None) -> CpuAttentionKernel | None:
-    """The entry's CPU decode-attention kernel, loaded; built again when it is
+    """The entry's CPU attention kernels, loaded; built again when they are
     missing (a repair, which needs the C compiler, like Inductor's rebuilds).
     None for an entry without one, or when it cannot be built: the torch path
     then serves, slower, and a warning says so."""
@@ -257,7 +257,7 @@ def _attention_kernel(inductor_dir: Path, name: str | None) -> CpuAttentionKerne
         try:
             name = build_cpu_attention(inductor_dir)  # named after today's source: an edited kernel, a new name
         except (KernelBuildError, OSError) as e:
-            logger.warning("decode attention runs on the torch path: %s", e)
+            logger.warning("CPU attention runs on the torch path: %s", e)
             return None
     return CpuAttentionKernel(inductor_dir / name)
 

@@ -120,12 +120,12 @@ def load_entry(
 
 class _NativeBuilds:
     """kiln's C kernels for a CPU entry, built in a thread while the model is
-    traced: the decode-attention kernel (``kiln.attention.cpu_attention``, 2 s
+    traced: the attention kernels (``kiln.attention.cpu_attention``, 2 s
     of gcc here) and the small-batch linear kernel (``kiln.compiler.cpu_linear``,
     2-3 s with the kinds ``model``'s linears use, 7 s with all). On two cores
     they share the CPU with the trace, so their seconds count. A failed build
     is logged once and leaves the entry without that kernel: the torch path
-    serves decode attention, and the few-token pieces keep Inductor's
+    serves attention, and the few-token pieces keep Inductor's
     reductions, slower."""
 
     def __init__(self, inductor_dir: Path, model: nn.Module) -> None:
@@ -136,7 +136,7 @@ class _NativeBuilds:
         self._linear = self._pool.submit(cpu_linear.build, inductor_dir, cpu_linear.model_kinds(model))
 
     def attention(self) -> CpuAttentionKernel | None:
-        name = self._wait(self._attention, "attention_kernel", "decode attention will run on the torch path")
+        name = self._wait(self._attention, "attention_kernel", "CPU attention will run on the torch path")
         return CpuAttentionKernel(self.inductor_dir / name) if name else None
 
     def linear(self) -> cpu_linear.CpuLinearKernel | None:

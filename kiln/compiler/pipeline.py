@@ -92,7 +92,7 @@ class CompiledModel:
     parameters in the order the trace recorded them. ``pieces`` maps a piece
     signature to its compiled runnables; ``piece_signatures`` maps each
     submodule of the split graph to its signature (identical layers share one).
-    ``attention_kernel``: the CPU decode-attention kernel built with the entry
+    ``attention_kernel``: the CPU attention kernels built with the entry
     (``kiln.attention.cpu_attention``), for the runner's attention backend;
     ``linear_kernel``: the small-batch linear kernel its few-token pieces call
     (``kiln.compiler.cpu_linear``), which also serves the LM head."""

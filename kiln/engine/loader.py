@@ -505,7 +505,7 @@ def startup_report(config: ResolvedConfig, engine: Engine, compiled: "CompiledEn
         "packed_layers": packed_layers(engine.runner.model),
         "architecture": config.model.architecture,
         "attention_backend": engine.runner.attention_backend.name,
-        # the compiled entry's CPU decode-attention library (kiln.attention.cpu_attention), or None
+        # the compiled entry's CPU attention library (kiln.attention.cpu_attention), or None
         "attention_kernel": _attention_kernel_name(engine.runner.attention_backend),
         # the small-batch linear library its few-token pieces and LM head call (kiln.compiler.cpu_linear)
         "linear_kernel": _linear_kernel_name(compiled),

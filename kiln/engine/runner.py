@@ -69,7 +69,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
-        # the compiled entry's CPU decode-attention kernel, when it brings one
+        # the compiled entry's CPU attention kernels, when it brings them
         self.attention_backend = attention_backend.with_decode_kernel(_attention_kernel(compiled))
         self.forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = compiled or model
         self.compute_logits = compiled.compute_logits if compiled is not None else model.compute_logits
