@@ -355,15 +355,15 @@ class TorchAttentionBackend(AttentionBackend):
         native = self.decode_kernel is not None
         batched = len(decodes) >= (1 if native else self.min_decode_batch)
         per_request = tuple(i for i in reqs if qsl[i + 1] - qsl[i] != 1) if batched else tuple(reqs)
-        pairs = {i: _pairs(qsl[i + 1] - qsl[i], seq_lens[i]) for i in per_request}
+        pairs = {i: _pairs(qsl[i + 1] - qsl[i], seq_lens[i]) for i in per_request} if native else {}
         # a short chunk of a longer context: a row a token in the decode call; where the kernel has its
-        # prefill, a fresh prompt and a longer chunk: the prefill call
+        # prefill, every other chunk (a fresh prompt, a longer chunk) goes to the prefill call, else to SDPA
         prefills = native and self.decode_kernel.prefills
         chunks = [i for i in per_request if pairs[i] <= self.native_chunk_pairs
                   and not (prefills and seq_lens[i] == qsl[i + 1] - qsl[i] > 0)] if native else []
         rows = set(chunks)
-        prefill = tuple(sorted((i for i in per_request if i not in rows), key=pairs.__getitem__)) if prefills else ()
-        taken = rows | set(prefill)
+        rest = tuple(i for i in per_request if i not in rows)
+        prefill = tuple(sorted(rest, key=pairs.__getitem__)) if prefills else ()
         return TorchAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             num_reqs=common.num_reqs,
@@ -374,7 +374,7 @@ class TorchAttentionBackend(AttentionBackend):
             slot_mapping=common.slot_mapping,
             per_request=per_request,
             native=self.native_steps.step(common, decodes, qsl, seq_lens, chunks) if native else None,
-            left_by_native=tuple(i for i in per_request if i not in taken),
+            left_by_native=() if prefills else rest,
             prefill=prefill,
             prefill_contexts=tuple(seq_lens[i] for i in prefill),
             prefill_chunks=torch.tensor([[qsl[i], qsl[i + 1] - qsl[i], seq_lens[i], i] for i in prefill],
