@@ -58,6 +58,8 @@ def test_flags_are_checked_before_loading(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "--max-tokens must be an integer >= 1, got -1" in proc.stderr
     assert "does not exist" not in proc.stderr and "Traceback" not in proc.stderr
+    proc = _kiln(["generate", "--model", str(tmp_path / "nope"), "--presence-penalty", "3"], tmp_path)
+    assert proc.returncode == 2 and "--presence-penalty must be in [-2, 2] (0 disables it), got 3.0" in proc.stderr
 
 
 def test_a_bad_config_value_is_one_line_naming_file_and_field(llama_checkpoint, tmp_path: Path) -> None:

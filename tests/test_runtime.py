@@ -161,12 +161,14 @@ def test_generation_config_defaults_apply_when_the_caller_sets_none(llama_checkp
     path, _ = llama_checkpoint
     ckpt = tmp_path / "ckpt"
     shutil.copytree(path, ckpt)
-    (ckpt / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_k": 5, "top_p": "x"}))
-    rt = load_eager(ckpt)
-    assert rt.default_params() == SamplingParams(temperature=0.3, top_k=5)
+    (ckpt / "generation_config.json").write_text(json.dumps({
+        "temperature": 0.3, "top_k": 5, "top_p": "x", "repetition_penalty": 1.05, "min_p": 7}))
+    rt = load_eager(ckpt)  # a value out of its range (min_p) is ignored too, with a warning
+    assert rt.default_params() == SamplingParams(temperature=0.3, top_k=5, repetition_penalty=1.05)
     assert rt.startup_report["config"]["sampling_defaults"] == {
         "temperature": {"value": 0.3, "source": "generation_config.json"},
         "top_k": {"value": 5, "source": "generation_config.json"},
+        "repetition_penalty": {"value": 1.05, "source": "generation_config.json"},
     }
     rid = rt.add_request([1, 2, 3])  # no SamplingParams: the checkpoint's defaults
     queued = rt.engine.scheduler.requests[rid].params

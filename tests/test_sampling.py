@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 
 from kiln import Runtime, SamplingParams
@@ -93,3 +94,44 @@ def test_stream_deltas_add_up_to_generate(demo_tokenizer_dir) -> None:
     assert sum((d.token_ids for d in deltas), []) == full.token_ids
     assert deltas[-1].finish_reason == full.finish_reason
     assert all(d.finish_reason is None for d in deltas[:-1])
+
+
+def _penalized_reference(model, prompt: list[int], n: int, rep: float, freq: float, pres: float) -> list[int]:
+    """Greedy tokens of the transformers model with the penalties applied to
+    its logits by hand (vLLM's order: repetition over prompt and output, then
+    frequency and presence over the output)."""
+    tokens = list(prompt)
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([tokens])).logits[0, -1].double()
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0]).double()
+            seen = counts > 0
+            seen[torch.tensor(prompt)] = True
+            logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+            logits = logits - freq * counts - pres * (counts > 0).double()
+            out.append(int(logits.argmax()))
+            tokens.append(out[-1])
+    return out
+
+
+def test_penalties_and_logit_bias_steer_greedy_tokens(llama_checkpoint) -> None:
+    """The engine hands each sampling row its prompt and output so far, also
+    when the prompt is prefilled in chunks and requests are preempted."""
+    path, model = llama_checkpoint
+    prompts = random_prompts(3, [9, 14, 6], model.config.vocab_size, seed=1)
+    penalized = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, repetition_penalty=1.8,
+                               frequency_penalty=0.9, presence_penalty=0.6)
+    expected = [_penalized_reference(model, p, 12, 1.8, 0.9, 0.6) for p in prompts]
+    free = [_greedy(load_eager(path), p, 12) for p in prompts]
+    assert all(e != f for e, f in zip(expected, free))  # the penalties change every request's tokens
+    for rt in (load_eager(path), load_eager(path, max_num_batched_tokens=8, num_kv_blocks=12, block_size=4)):
+        plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        outs = rt.generate(prompts + [prompts[0]], [penalized] * 3 + [plain])
+        assert [o.token_ids for o in outs[:3]] == expected
+        assert outs[3].token_ids == free[0]  # a greedy row beside them is left alone
+    biased = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logit_bias={17: 100.0})
+    assert load_eager(path).generate(prompts[1], biased)[0].token_ids == [17] * 6
+    vocab = model.config.vocab_size
+    with pytest.raises(ValueError, match=rf"params\[0\]\.logit_bias: token id {vocab} is outside the vocabulary"):
+        load_eager(path).generate(prompts[1], SamplingParams(logit_bias={vocab: 1.0}))

@@ -161,6 +161,28 @@ def test_n_seeds_stop_and_logprobs(client, offline) -> None:
     assert len(legacy.choices[0].logprobs.token_logprobs) == 3
 
 
+def test_penalties_min_p_and_logit_bias_reach_the_sampler(client, offline) -> None:
+    """OpenAI's logit_bias (token ids as strings) and the penalties vLLM
+    accepts give the tokens of the same SamplingParams offline."""
+    options = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "repetition_penalty": 1.3}
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, **options)
+    expected = offline.generate(PROMPTS[2], params)[0]
+    assert expected.text != offline.generate(PROMPTS[2], SamplingParams(max_tokens=16, temperature=0,
+                                                                       ignore_eos=True))[0].text
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=0,
+                                    extra_body={"ignore_eos": True, "repetition_penalty": 1.3},
+                                    frequency_penalty=1.5, presence_penalty=0.5)
+    assert got.choices[0].text == expected.text
+    token = offline.tokenizer.encode(" kiln")[0]
+    biased = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0,
+                                       logit_bias={str(token): 100})
+    assert biased.choices[0].text == offline.tokenizer.decode([token] * 3)
+    sampled = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, seed=5,
+                                        extra_body={"min_p": 0.2})
+    assert sampled.choices[0].text == offline.generate(PROMPTS[0], SamplingParams(
+        max_tokens=8, temperature=1.0, seed=5, min_p=0.2))[0].text
+
+
 @pytest.mark.parametrize(
     "body, status, param",
     [
@@ -173,6 +195,13 @@ def test_n_seeds_stop_and_logprobs(client, offline) -> None:
         ({"prompt": "hi", "max_tokens": 5000}, 400, "input_tokens"),
         ({"prompt": "", "max_tokens": 3}, 400, "prompt"),
         ({"prompt": [[1, 2], [99999]]}, 400, "prompt"),
+        ({"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+        ({"prompt": "hi", "frequency_penalty": "lots"}, 400, "frequency_penalty"),
+        ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+        ({"prompt": "hi", "min_p": 2}, 400, "min_p"),
+        ({"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": {"5": 300}}, 400, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
         ({"prompt": "hi", "model": "gpt-17"}, 404, "model"),
         ({"max_tokens": 3}, 400, "prompt"),
     ],

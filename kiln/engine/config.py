@@ -12,6 +12,7 @@ import torch
 
 from kiln.cache.keys import cache_factors
 from kiln.config import CompilationConfig, EngineConfig
+from kiln.engine.request import SamplingParams
 from kiln.models import ModelConfig, parse_dtype
 from kiln.models.quant import QUANTIZATION_PLAN_VERSION
 
@@ -146,7 +147,7 @@ def resolve_engine_sizes(user: EngineConfig, model: ModelConfig, dtype: torch.dt
 
 
 # generation_config.json keys that become SamplingParams defaults, as vLLM takes them
-_SAMPLING_KEYS = {"temperature": float, "top_p": float, "top_k": int}
+_SAMPLING_KEYS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float}
 
 
 def sampling_defaults(generation_config: dict[str, Any], source: str) -> dict[str, tuple[Any, str]]:
@@ -159,6 +160,11 @@ def sampling_defaults(generation_config: dict[str, Any], source: str) -> dict[st
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
             logger.warning("%s: %s=%r is not a %s; ignored", source, key, value, kind.__name__)
+            continue
+        try:
+            SamplingParams(**{key: kind(value)}).validate(source)
+        except ValueError as e:
+            logger.warning("%s; ignored", e)
             continue
         out[key] = (kind(value), source)
     return out

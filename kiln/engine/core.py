@@ -57,6 +57,10 @@ class Engine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"{where}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        bad = next((t for t in params.logit_bias or () if t >= self.vocab_size), None)
+        if bad is not None:
+            field = "SamplingParams" if index is None else f"params[{index}]"
+            raise ValueError(f"{field}.logit_bias: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"{where} has {len(prompt_token_ids)} tokens; max_model_len={self.max_model_len} "

@@ -30,8 +30,20 @@ class SamplingParams:
     """How to pick tokens for one request.
 
     ``temperature=0`` (or below ``GREEDY_EPSILON``) is greedy. ``top_k=0`` and
-    ``top_p=1.0`` disable those filters. ``seed`` makes the request's samples
-    reproducible whatever else is in the batch. Generation stops at
+    ``top_p=1.0`` disable those filters; ``min_p`` drops the tokens less likely
+    than that fraction of the most likely one's probability (0 disables it).
+    ``seed`` makes the request's samples reproducible whatever else is in the
+    batch.
+
+    The logits first take ``logit_bias`` (token id -> a value added to its
+    logit, in [-100, 100]), then the penalties, as vLLM applies them: a
+    ``repetition_penalty`` other than 1 divides the positive logits of the
+    tokens in the prompt or the output so far by it and multiplies the
+    negative ones; ``frequency_penalty`` is subtracted once for each time a
+    token appears in the output so far, ``presence_penalty`` once if it
+    appears at all (both in [-2, 2], as in the OpenAI API). Greedy requests
+    take the argmax of the logits after these; temperature, ``min_p``,
+    ``top_k`` and ``top_p`` follow, in that order. Generation stops at
     ``max_tokens`` new tokens, at the model's EOS token (unless ``ignore_eos``),
     at any of ``stop_token_ids``, or when the text produced so far contains one of
     the ``stop`` strings (which is cut from the returned text). ``logprobs=k``
@@ -47,6 +59,11 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # return the chosen token's logprob and this many top ones (<= 20)
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def validate(self, where: str = "SamplingParams") -> None:
         """Raise ValueError naming the first invalid field."""
@@ -74,6 +91,28 @@ class SamplingParams:
         ids = self.stop_token_ids
         if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids)):
             raise ValueError(f"{where}.stop_token_ids must be a list of integers, got {ids!r}")
+        self._validate_logit_changes(where)
+
+    def _validate_logit_changes(self, where: str) -> None:
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"{where}.min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{where}.{name} must be in [-2, 2] (0 disables it), got {value!r}")
+        rep = self.repetition_penalty
+        if not _is_number(rep) or not 0.0 < rep < float("inf"):
+            raise ValueError(f"{where}.repetition_penalty must be a finite number > 0 (1 disables it), got {rep!r}")
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise ValueError(f"{where}.logit_bias must map token ids to numbers, got {bias!r}")
+        for token, value in bias.items():
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"{where}.logit_bias: key {token!r} is not a token id (an integer >= 0)")
+            if not _is_number(value) or not -100.0 <= value <= 100.0:
+                raise ValueError(f"{where}.logit_bias[{token}] must be a number in [-100, 100], got {value!r}")
 
     @property
     def stop_strings(self) -> list[str]:
@@ -84,6 +123,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPSILON
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty needs the tokens so far (the sampler's ``history``)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether the logits change before the argmax: a greedy token is then
+        not the raw logits' argmax."""
+        return self.penalized or bool(self.logit_bias)
 
 
 class RequestStatus(enum.Enum):

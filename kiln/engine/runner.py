@@ -134,7 +134,8 @@ class ModelRunner:
         else:
             logits = self.compute_logits(rows)
             t2 = time.perf_counter()
-            sampled = self.sampler(logits, params, [s.num_output_tokens for s in sampling])
+            sampled = self.sampler(logits, params, [s.num_output_tokens for s in sampling],
+                                   [s.history for s in sampling])
         t3 = time.perf_counter()
         st = self.stats
         st.steps += 1

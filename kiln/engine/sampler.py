@@ -1,4 +1,5 @@
-"""Turning logits into tokens: greedy, temperature, top-k, top-p, all in fp32.
+"""Turning logits into tokens: logit bias and repeat penalties, then greedy, or
+temperature, min-p, top-k and top-p and a draw, all in fp32.
 
 Sampling uses the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)``), which
 draws from ``p`` and lets every row take its noise from its own generator. A
@@ -9,14 +10,18 @@ preemption.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kiln.engine.request import SamplingParams
 
-__all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "apply_top_k_top_p", "argmax_rows"]
+__all__ = ["History", "Sampler", "SamplerOutput", "TokenLogprobs", "apply_logit_changes", "apply_min_p",
+           "apply_top_k_top_p", "argmax_rows"]
+
+# A sampling row's tokens so far: (prompt, output), which its penalties read
+History = tuple[Sequence[int], Sequence[int]]
 
 _MIX = 0x9E3779B97F4A7C15
 
@@ -52,12 +57,74 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def apply_logit_changes(logits: torch.Tensor, params: list[SamplingParams],
+                        histories: Sequence[History | None] | None) -> torch.Tensor:
+    """A copy of ``logits`` ([R, V]) with each row's ``logit_bias`` added, then
+    its penalties applied (``SamplingParams``; vLLM's order), from its tokens
+    so far (``histories[i]``, needed where ``params[i].penalized``). Rows
+    that change nothing are copied as they are."""
+    out = logits.clone(memory_format=torch.contiguous_format)
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=out.device)
+            values = torch.tensor(list(p.logit_bias.values()), dtype=out.dtype, device=out.device)
+            out[i].index_add_(0, ids, values)
+    rows = [i for i, p in enumerate(params) if p.penalized]
+    if rows:
+        missing = next((i for i in rows if histories is None or histories[i] is None), None)
+        if missing is not None:
+            raise ValueError(f"sampling row {missing} penalizes repeats, but no token history came with it")
+        _penalize(out, rows, params, histories)  # type: ignore[arg-type]
+    return out
+
+
+def _penalize(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
+              histories: Sequence[History]) -> None:
+    """``logits`` ([R, V], in place) after the repetition, frequency and
+    presence penalties of ``rows``, all at once and only where a row's tokens
+    so far lie: for 64 rows of 49152 logits, each with 100 prompt and 100
+    output tokens, 2.8 ms a step on 2 cores against 26.5 for the same
+    arithmetic over whole rows (scratch timings, 2026-12-07)."""
+    vocab = logits.shape[1]
+    device = logits.device
+    flat = logits.view(-1)
+
+    def places(which: int) -> torch.Tensor:
+        """The flat logit indices of ``rows``' prompt (0) or output (1) tokens, each as often as it appears."""
+        lists = [histories[i][which] for i in rows]
+        row = torch.repeat_interleave(torch.tensor(rows, device=device),
+                                      torch.tensor([len(t) for t in lists], device=device))
+        token = torch.tensor([t for tokens in lists for t in tokens], dtype=torch.long, device=device)
+        return row * vocab + token
+
+    produced, counts = places(1).unique(return_counts=True)
+    seen = torch.cat([produced, places(0)]).unique()  # sorted
+    values = flat[seen]
+    column = {"dtype": logits.dtype, "device": device}
+    rep = torch.tensor([p.repetition_penalty for p in params], **column)[seen // vocab]
+    values = torch.where(values > 0, values / rep, values * rep)
+    at = torch.searchsorted(seen, produced)
+    owner = produced // vocab
+    freq = torch.tensor([p.frequency_penalty for p in params], **column)[owner]
+    pres = torch.tensor([p.presence_penalty for p in params], **column)[owner]
+    values[at] -= freq * counts.to(logits.dtype) + pres
+    flat[seen] = values
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) each row's tokens whose probability is below ``min_p``
+    ([R] float, 0 = off) times that of its most likely token."""
+    probs = logits.softmax(dim=-1)
+    floor = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < floor, float("-inf"))
+
+
 @dataclass(frozen=True)
 class TokenLogprobs:
     """The chosen token's log-probability and the ``k`` most likely tokens', on
-    the processed distribution: after temperature (greedy rows: none), top-k and
-    top-p, as vLLM's ``processed_logprobs``. Tokens the filters removed have
-    ``-inf``."""
+    the processed distribution: after logit bias and penalties, temperature
+    (greedy rows: none), min-p, top-k and top-p, as vLLM's
+    ``processed_logprobs``. Tokens the filters removed have ``-inf``."""
 
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), most likely first
@@ -83,20 +150,25 @@ class Sampler:
 
     @staticmethod
     def argmax_only(params: list[SamplingParams]) -> bool:
-        """Whether these rows' tokens are each row's argmax and nothing else:
-        all greedy, none asking for logprobs."""
-        return all(p.greedy and p.logprobs is None for p in params)
+        """Whether these rows' tokens are each row's argmax of the raw logits
+        and nothing else: all greedy, none asking for logprobs, none with a
+        logit bias or a penalty."""
+        return all(p.greedy and p.logprobs is None and not p.changes_logits for p in params)
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
+                 histories: Sequence[History | None] | None = None) -> SamplerOutput:
         """One token per row of ``logits`` ([R, V], any float dtype). ``steps[i]``
-        is how many tokens row i's request has produced so far. Log-probabilities
-        cost nothing unless a row asks for them."""
+        is how many tokens row i's request has produced so far, ``histories[i]``
+        its prompt and output tokens (needed where its penalties read them).
+        Log-probabilities cost nothing unless a row asks for them."""
         if self.argmax_only(params):
             # the largest of bf16 values is the largest of their fp32 copies, which
             # a batch-1 bf16 decode step of the demo model made in 0.08 ms
             tokens = self.native_argmax(logits) if self.native_argmax is not None else None
             return SamplerOutput(tokens if tokens is not None else argmax_rows(logits).tolist())
         logits = logits.float()
+        if any(p.changes_logits for p in params):
+            logits = apply_logit_changes(logits, params, histories)
         greedy_tokens = argmax_rows(logits)
         if all(p.greedy for p in params):
             tokens, processed = greedy_tokens, logits
@@ -113,6 +185,8 @@ class Sampler:
     def _process(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
         logits = logits / temps.unsqueeze(1)
+        if any(p.min_p > 0.0 for p in params):
+            logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=logits.device))
         top_k = top_p = None
         if any(p.top_k > 0 for p in params):
             top_k = torch.tensor([p.top_k for p in params], device=logits.device)

@@ -37,6 +37,8 @@ class ScheduledRequest:
     # last token pick the next one.
     sampling: SamplingParams | None
     num_output_tokens: int  # tokens the request produced before this step (seeds per token)
+    # (prompt, output so far) where the sampling options penalize repeats (SamplingParams.penalized); read only
+    history: tuple[list[int], list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -57,8 +59,9 @@ class SchedulerOutput:
 def _schedule(req: Request, n: int) -> ScheduledRequest:
     start = req.num_computed_tokens
     samples = start + n == req.num_tokens
+    history = (req.prompt_token_ids, req.output_token_ids) if samples and req.params.penalized else None
     return ScheduledRequest(req.request_id, req.tokens(start, start + n), start, req.block_ids,
-                            req.params if samples else None, len(req.output_token_ids))
+                            req.params if samples else None, len(req.output_token_ids), history)
 
 
 class Scheduler:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kiln.engine.request import SamplingParams
-from kiln.engine.sampler import Sampler, apply_top_k_top_p, argmax_rows
+from kiln.engine.sampler import Sampler, apply_logit_changes, apply_min_p, apply_top_k_top_p, argmax_rows
 
 
 def test_top_k_and_top_p_masks() -> None:
@@ -115,3 +115,62 @@ def test_greedy_steps_take_the_native_argmax_where_it_takes_the_logits() -> None
     mixed = [SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=0)]
     assert sampler(logits, mixed, [0, 0, 0]).tokens == logits.argmax(dim=-1).tolist()
     assert not seen
+
+
+def _reference_changes(row: list[float], p: SamplingParams, prompt: list[int], output: list[int]) -> list[float]:
+    """vLLM's order, one token at a time: the bias, then the repetition,
+    frequency and presence penalties."""
+    out = list(row)
+    for token, bias in (p.logit_bias or {}).items():
+        out[token] += bias
+    for token in range(len(out)):
+        count = output.count(token)
+        if (count or token in prompt) and p.repetition_penalty != 1.0:
+            out[token] = out[token] / p.repetition_penalty if out[token] > 0 else out[token] * p.repetition_penalty
+        out[token] -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
+    return out
+
+
+def test_logit_bias_and_penalties_follow_the_reference() -> None:
+    logits = torch.randn(4, 12, generator=torch.Generator().manual_seed(3))
+    params = [
+        SamplingParams(logit_bias={3: 5.0, 7: -100.0, 11: 0.5}),
+        SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25),
+        SamplingParams(),  # untouched in a batch with others
+        SamplingParams(repetition_penalty=0.8, presence_penalty=-1.0, logit_bias={2: -3.0}),
+    ]
+    histories = [None, ([1, 2, 2, 10], [2, 5, 5, 9, 5]), None, ([0, 4], [4, 6])]
+    out = apply_logit_changes(logits, params, histories)
+    for i, (p, h) in enumerate(zip(params, histories)):
+        expected = _reference_changes(logits[i].tolist(), p, *(h or ([], [])))
+        assert torch.allclose(out[i], torch.tensor(expected), atol=1e-6), i
+    assert torch.equal(out[2], logits[2]) and not torch.equal(out[1], logits[1])
+    assert torch.equal(logits, torch.randn(4, 12, generator=torch.Generator().manual_seed(3)))  # input left alone
+    with pytest.raises(ValueError, match="sampling row 1 penalizes repeats, but no token history"):
+        apply_logit_changes(logits, params, None)
+
+
+def test_greedy_rows_take_the_argmax_after_bias_and_penalties() -> None:
+    logits = torch.tensor([[0.0, 3.0, 2.5, 1.0], [0.0, 3.0, 2.5, 1.0], [0.0, 3.0, 2.5, 1.0]])
+    calls: list[torch.Tensor] = []
+    sampler = Sampler(torch.device("cpu"), native_argmax=lambda t: calls.append(t) or None)
+    params = [SamplingParams(temperature=0, logit_bias={3: 10.0}),
+              SamplingParams(temperature=0, presence_penalty=1.0),  # token 1 already produced: 2.5 wins
+              SamplingParams(temperature=0, repetition_penalty=2.0)]  # token 1 in the prompt: 3.0 / 2 < 2.5
+    assert not Sampler.argmax_only(params)
+    out = sampler(logits, params, [0, 1, 0], [None, ([0], [1]), ([1], [])])
+    assert out.tokens == [3, 2, 2] and not calls  # not the raw logits' argmax
+    plain = [SamplingParams(temperature=0)] * 3
+    assert Sampler.argmax_only(plain) and sampler(logits, plain, [0] * 3).tokens == [1, 1, 1]
+
+
+def test_min_p_keeps_tokens_near_the_most_likely() -> None:
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]])
+    out = apply_min_p(probs.log(), torch.tensor([0.5, 0.0]))
+    assert torch.isfinite(out[0]).tolist() == [True, True, False, False]  # 0.15 < 0.5 x 0.5
+    assert torch.equal(out[1], probs.log()[1])
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    rows = probs[0].log().expand(2000, 4).contiguous()
+    tokens = sampler(rows, [SamplingParams(temperature=1.0, min_p=0.5)] * 2000, [0] * 2000).tokens
+    freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / 2000
+    assert freq[2:].sum() == 0 and abs(freq[0] - 0.5 / 0.8) < 0.04  # drawn from what is left, renormalised

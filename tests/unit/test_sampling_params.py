@@ -31,6 +31,18 @@ from kiln.engine.request import SamplingParams
         ({"stop_token_ids": {3, 4}}, r"p\.stop_token_ids"),
         ({"stop_token_ids": [1, "2"]}, r"p\.stop_token_ids"),
         ({"ignore_eos": "no"}, r"p\.ignore_eos must be true or false"),
+        ({"min_p": -0.1}, r"p\.min_p must be in \[0, 1\]"),
+        ({"min_p": 1.5}, r"p\.min_p"),
+        ({"presence_penalty": 2.5}, r"p\.presence_penalty must be in \[-2, 2\]"),
+        ({"frequency_penalty": -3}, r"p\.frequency_penalty must be in \[-2, 2\]"),
+        ({"frequency_penalty": float("nan")}, r"p\.frequency_penalty"),
+        ({"repetition_penalty": 0.0}, r"p\.repetition_penalty must be a finite number > 0"),
+        ({"repetition_penalty": float("inf")}, r"p\.repetition_penalty"),
+        ({"logit_bias": [1, 2]}, r"p\.logit_bias must map token ids to numbers"),
+        ({"logit_bias": {"5": 1.0}}, r"p\.logit_bias: key '5' is not a token id"),
+        ({"logit_bias": {-1: 1.0}}, r"p\.logit_bias: key -1"),
+        ({"logit_bias": {5: 101}}, r"p\.logit_bias\[5\] must be a number in \[-100, 100\], got 101"),
+        ({"logit_bias": {5: "up"}}, r"p\.logit_bias\[5\]"),
     ],
 )
 def test_bad_fields_are_value_errors_naming_the_field(fields, match) -> None:
@@ -43,3 +55,15 @@ def test_accepted_forms() -> None:
                    {"seed": np.int32(7)}, {"temperature": np.float32(0.5)}, {"temperature": 0}):
         SamplingParams(**fields).validate("p")
     assert SamplingParams(stop="x").stop_strings == ["x"] and SamplingParams().stop_strings == []
+
+
+def test_which_options_change_the_logits() -> None:
+    """The argmax of the raw logits stays the greedy token unless a bias or a
+    penalty is set; only the penalties read the tokens so far."""
+    assert not SamplingParams().changes_logits and not SamplingParams().penalized
+    assert not SamplingParams(min_p=0.5, top_k=3, logit_bias={}).changes_logits
+    assert SamplingParams(logit_bias={3: 1.0}).changes_logits and not SamplingParams(logit_bias={3: 1.0}).penalized
+    for field, value in (("presence_penalty", 0.5), ("frequency_penalty", -0.5), ("repetition_penalty", 1.2)):
+        params = SamplingParams(**{field: value})
+        params.validate()
+        assert params.penalized and params.changes_logits

@@ -8,6 +8,7 @@ validation failure is an ``APIError`` with HTTP 400 that names the field in
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -46,6 +47,11 @@ class _SamplingFields(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None  # token id (as a string, as JSON keys are) -> bias in [-100, 100]
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -72,6 +78,11 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+# the request fields that are SamplingParams fields of the same name and meaning
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "seed", "stop", "stop_token_ids")
+
+
 def _check_common(req: _SamplingFields) -> None:
     if req.n < 1 or req.n > 16:
         raise APIError(f"n must be between 1 and 16, got {req.n}", param="n")
@@ -84,16 +95,32 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, defaults: Sa
     """kiln's SamplingParams for ``req``: the request's fields over the model's
     generation defaults. Raises APIError (400) naming the bad field."""
     _check_common(req)
-    given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
-             if getattr(req, k) is not None}
+    given = {k: getattr(req, k) for k in _SAMPLING_FIELDS if getattr(req, k) is not None}
+    if req.logit_bias:
+        given["logit_bias"] = _logit_bias(req.logit_bias)
     params = SamplingParams(**{**vars(defaults), **given, "max_tokens": max_tokens, "ignore_eos": req.ignore_eos,
                                "logprobs": logprobs})
     try:
         params.validate("request")
     except ValueError as e:
-        field = str(e).split(" ", 1)[0].removeprefix("request.")
+        field = re.match(r"request\.(\w+)", str(e))
+        field = field.group(1) if field else None
         raise APIError(str(e).replace("request.", "", 1), param=field) from None
     return params
+
+
+def _logit_bias(bias: dict[str, Any]) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as strings) as SamplingParams takes it."""
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise APIError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise APIError(f"logit_bias[{key!r}] must be a number, got {value!r}", param="logit_bias")
+        out[token] = float(value)
+    return out
 
 
 def chat_logprobs(req: ChatCompletionRequest) -> int | None:

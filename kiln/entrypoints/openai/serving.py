@@ -104,8 +104,9 @@ class OpenAIServing:
         for c in choices:
             try:
                 self.engine.check_request(c.prompt_ids, c.params)
-            except ValueError as e:
-                raise APIError(str(e), param="prompt") from None
+            except ValueError as e:  # the prompt, or a logit_bias token outside the vocabulary
+                message = str(e).removeprefix("SamplingParams.")
+                raise APIError(message, param="logit_bias" if message.startswith("logit_bias") else "prompt") from None
         return choices
 
     async def _run(self, choice: Choice, queue: asyncio.Queue | None = None) -> Choice:
