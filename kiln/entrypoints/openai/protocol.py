@@ -1,13 +1,15 @@
 """Request bodies of the OpenAI API as kiln accepts them, and their translation
 into kiln's requests.
 
-Unknown fields are accepted and ignored, as OpenAI clients expect. Every
+Unknown fields are accepted and ignored, as OpenAI clients expect, and named
+in a warning in the log, as vLLM does. Every
 validation failure is an ``APIError`` with HTTP 400 that names the field in
 ``param``; a request that fails never reaches the scheduler.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Literal
 
@@ -16,6 +18,8 @@ from pydantic import BaseModel, ConfigDict
 from kiln.engine.request import MAX_LOGPROBS, SamplingParams
 
 __all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "StreamOptions", "sampling_params"]
+
+logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -95,6 +99,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, defaults: Sa
     """kiln's SamplingParams for ``req``: the request's fields over the model's
     generation defaults. Raises APIError (400) naming the bad field."""
     _check_common(req)
+    if req.model_extra:  # as vLLM does: served, and said
+        logger.warning("request fields ignored (kiln does not implement them): %s", ", ".join(sorted(req.model_extra)))
     given = {k: getattr(req, k) for k in _SAMPLING_FIELDS if getattr(req, k) is not None}
     if req.logit_bias:
         given["logit_bias"] = _logit_bias(req.logit_bias)
