@@ -60,6 +60,25 @@ def test_stop_on_eos_and_stop_token_ids(llama_checkpoint, tmp_path) -> None:
     assert out.token_ids == free and out.finish_reason == "length"
 
 
+def test_min_tokens_holds_off_eos_and_stop_token_ids(llama_checkpoint, tmp_path) -> None:
+    path, model = llama_checkpoint
+    prompt = random_prompts(1, [8], model.config.vocab_size, seed=21)[0]
+    free = _greedy(load_eager(path), prompt, 10)
+    target = free[1]
+    declared = tmp_path / "ckpt"
+    shutil.copytree(path, declared)
+    (declared / "generation_config.json").write_text(json.dumps({"eos_token_id": [target]}))
+    for rt, stop in ((load_eager(path), [target]), (load_eager(declared), None)):
+        plain = rt.generate(prompt, SamplingParams(max_tokens=10, temperature=0, stop_token_ids=stop))[0]
+        assert plain.token_ids == free[:2] and plain.finish_reason == "stop"
+        held = rt.generate(prompt, SamplingParams(max_tokens=10, temperature=0, stop_token_ids=stop, min_tokens=4))[0]
+        assert len(held.token_ids) >= 4 and target not in held.token_ids[:4]
+        assert held.token_ids[0] == free[0]
+        assert held.finish_reason == ("stop" if held.token_ids[-1] == target else "length")
+    with pytest.raises(ValueError, match=r"params\[0\]\.min_tokens must be an integer in \[0, max_tokens=3\]"):
+        load_eager(path).generate(prompt, SamplingParams(max_tokens=3, min_tokens=5))
+
+
 def test_stop_on_max_model_len(llama_checkpoint) -> None:
     path, model = llama_checkpoint
     rt = load_eager(path, max_model_len=20)

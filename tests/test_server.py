@@ -199,6 +199,7 @@ def test_penalties_min_p_and_logit_bias_reach_the_sampler(client, offline) -> No
         ({"prompt": "hi", "frequency_penalty": "lots"}, 400, "frequency_penalty"),
         ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
         ({"prompt": "hi", "min_p": 2}, 400, "min_p"),
+        ({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
         ({"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
         ({"prompt": "hi", "logit_bias": {"5": 300}}, 400, "logit_bias"),
         ({"prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),

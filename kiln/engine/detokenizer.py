@@ -45,7 +45,11 @@ def _decoder(tokenizer: Any) -> Callable[[list[int]], str]:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str]) -> None:
+    """The output text of one request; ``stop`` strings are looked for once it
+    has more than ``min_tokens`` tokens, in the text they added and the few
+    characters before it (as vLLM does)."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str], min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self._decode = _decoder(tokenizer)  # (not called without a tokenizer: add returns first)
         self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
@@ -56,19 +60,23 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.stopped = False
+        self.min_tokens = min_tokens
+        self.num_tokens = 0  # output tokens added
 
     def add(self, token_ids: list[int], final: bool = False) -> None:
         """Append newly sampled tokens; sets ``stopped`` when a stop string appears."""
         if self.tokenizer is None or self.stopped:
             return
         self.ids.extend(token_ids)
+        self.num_tokens += len(token_ids)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
             before = len(self.text)
             self.text += full[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            self._check_stop(before)
+            if self.num_tokens > self.min_tokens:
+                self._check_stop(before)
 
     def _check_stop(self, before: int) -> None:
         for s in self.stop:

@@ -46,7 +46,9 @@ class SamplingParams:
     ``top_k`` and ``top_p`` follow, in that order. Generation stops at
     ``max_tokens`` new tokens, at the model's EOS token (unless ``ignore_eos``),
     at any of ``stop_token_ids``, or when the text produced so far contains one of
-    the ``stop`` strings (which is cut from the returned text). ``logprobs=k``
+    the ``stop`` strings (which is cut from the returned text); before
+    ``min_tokens`` new tokens none of these stop it (EOS and the stop token ids
+    are not sampled, stop strings not looked for), as in vLLM. ``logprobs=k``
     returns each new token's log-probability and the ``k`` most likely ones.
     """
 
@@ -60,6 +62,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # return the chosen token's logprob and this many top ones (<= 20)
     min_p: float = 0.0
+    min_tokens: int = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -91,9 +94,12 @@ class SamplingParams:
         ids = self.stop_token_ids
         if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids)):
             raise ValueError(f"{where}.stop_token_ids must be a list of integers, got {ids!r}")
-        self._validate_logit_changes(where)
+        self._validate_sampler_options(where)
 
-    def _validate_logit_changes(self, where: str) -> None:
+    def _validate_sampler_options(self, where: str) -> None:
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"{where}.min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"{where}.min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):

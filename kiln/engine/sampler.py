@@ -58,12 +58,17 @@ def apply_top_k_top_p(
 
 
 def apply_logit_changes(logits: torch.Tensor, params: list[SamplingParams],
-                        histories: Sequence[History | None] | None) -> torch.Tensor:
-    """A copy of ``logits`` ([R, V]) with each row's ``logit_bias`` added, then
-    its penalties applied (``SamplingParams``; vLLM's order), from its tokens
-    so far (``histories[i]``, needed where ``params[i].penalized``). Rows
-    that change nothing are copied as they are."""
+                        histories: Sequence[History | None] | None,
+                        suppressed: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    """A copy of ``logits`` ([R, V]) with each row's ``suppressed`` tokens at
+    -inf (a request short of its ``min_tokens``: EOS and its stop token ids),
+    its ``logit_bias`` added, then its penalties applied (``SamplingParams``;
+    vLLM's order), from its tokens so far (``histories[i]``, needed where
+    ``params[i].penalized``). Rows that change nothing are copied as they are."""
     out = logits.clone(memory_format=torch.contiguous_format)
+    for i, banned in enumerate(suppressed or ()):
+        if banned:
+            out[i, list(banned)] = float("-inf")
     for i, p in enumerate(params):
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=out.device)
@@ -149,26 +154,29 @@ class Sampler:
         self.native_argmax = native_argmax
 
     @staticmethod
-    def argmax_only(params: list[SamplingParams]) -> bool:
+    def argmax_only(params: list[SamplingParams], suppressed: Sequence[Sequence[int]] | None = None) -> bool:
         """Whether these rows' tokens are each row's argmax of the raw logits
         and nothing else: all greedy, none asking for logprobs, none with a
-        logit bias or a penalty."""
-        return all(p.greedy and p.logprobs is None and not p.changes_logits for p in params)
+        logit bias, a penalty or tokens it may not pick yet."""
+        return (all(p.greedy and p.logprobs is None and not p.changes_logits for p in params)
+                and not any(suppressed or ()))
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
-                 histories: Sequence[History | None] | None = None) -> SamplerOutput:
+                 histories: Sequence[History | None] | None = None,
+                 suppressed: Sequence[Sequence[int]] | None = None) -> SamplerOutput:
         """One token per row of ``logits`` ([R, V], any float dtype). ``steps[i]``
         is how many tokens row i's request has produced so far, ``histories[i]``
-        its prompt and output tokens (needed where its penalties read them).
-        Log-probabilities cost nothing unless a row asks for them."""
-        if self.argmax_only(params):
+        its prompt and output tokens (needed where its penalties read them),
+        ``suppressed[i]`` the tokens it may not pick this step. Log-probabilities
+        cost nothing unless a row asks for them."""
+        if self.argmax_only(params, suppressed):
             # the largest of bf16 values is the largest of their fp32 copies, which
             # a batch-1 bf16 decode step of the demo model made in 0.08 ms
             tokens = self.native_argmax(logits) if self.native_argmax is not None else None
             return SamplerOutput(tokens if tokens is not None else argmax_rows(logits).tolist())
         logits = logits.float()
-        if any(p.changes_logits for p in params):
-            logits = apply_logit_changes(logits, params, histories)
+        if any(p.changes_logits for p in params) or any(suppressed or ()):
+            logits = apply_logit_changes(logits, params, histories, suppressed)
         greedy_tokens = argmax_rows(logits)
         if all(p.greedy for p in params):
             tokens, processed = greedy_tokens, logits

@@ -39,6 +39,8 @@ class ScheduledRequest:
     num_output_tokens: int  # tokens the request produced before this step (seeds per token)
     # (prompt, output so far) where the sampling options penalize repeats (SamplingParams.penalized); read only
     history: tuple[list[int], list[int]] | None = None
+    # token ids the sampler must not pick: EOS and the stop token ids, before the request's min_tokens
+    suppressed: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -59,9 +61,13 @@ class SchedulerOutput:
 def _schedule(req: Request, n: int) -> ScheduledRequest:
     start = req.num_computed_tokens
     samples = start + n == req.num_tokens
-    history = (req.prompt_token_ids, req.output_token_ids) if samples and req.params.penalized else None
+    p = req.params
+    history = (req.prompt_token_ids, req.output_token_ids) if samples and p.penalized else None
+    suppressed: tuple[int, ...] = ()
+    if samples and len(req.output_token_ids) < p.min_tokens:
+        suppressed = (*(() if p.ignore_eos else req.eos_token_ids), *(p.stop_token_ids or ()))
     return ScheduledRequest(req.request_id, req.tokens(start, start + n), start, req.block_ids,
-                            req.params if samples else None, len(req.output_token_ids), history)
+                            p if samples else None, len(req.output_token_ids), history, suppressed)
 
 
 class Scheduler:
@@ -156,10 +162,11 @@ class Scheduler:
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params
-        if not p.ignore_eos and token in req.eos_token_ids:
-            return "stop"
-        if p.stop_token_ids and token in p.stop_token_ids:
-            return "stop"
+        if len(req.output_token_ids) > p.min_tokens:  # before, the sampler offered neither EOS nor a stop token id
+            if not p.ignore_eos and token in req.eos_token_ids:
+                return "stop"
+            if p.stop_token_ids and token in p.stop_token_ids:
+                return "stop"
         if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None

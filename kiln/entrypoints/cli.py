@@ -85,6 +85,7 @@ def _add_run_options(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop before this many tokens (default 0)")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="divides the logits of tokens seen so far (above 1: fewer repeats; default 1, off)")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (default 0, off)")
@@ -99,7 +100,8 @@ def _sampling_params(args: argparse.Namespace) -> Any:
     from kiln import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                            top_p=args.top_p, min_p=args.min_p, min_tokens=args.min_tokens,
+                            repetition_penalty=args.repetition_penalty,
                             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                             seed=args.seed, ignore_eos=args.ignore_eos)
     try:

@@ -68,6 +68,21 @@ def test_stop_string_finishes_the_request_and_never_leaks() -> None:
     assert delta.text == "b" and delta.token_ids == [1, 2, 3] and delta.finish_reason == "stop"
 
 
+def test_stop_strings_wait_for_min_tokens() -> None:
+    """Before ``min_tokens`` tokens a stop string does not finish the request;
+    after, one that ends in the new text does, one wholly before it does not."""
+    tok = LetterTokenizer()
+    processor = OutputProcessor(tok)
+    processor.add_request("a", None, [1], SamplingParams(stop=["cd", "x"], min_tokens=4))
+    ids = [2, 3, 4, 6, 7, 8, 23]  # "cde" (a stop string by the 2nd token), "ghi", then "x"
+    finished_at = None
+    for n, t in enumerate(ids, 1):
+        if processor.process(EngineOutputs([EngineOutput("a", [t])])).to_abort:
+            finished_at = n
+            break
+    assert finished_at == 7 and processor.get_output("a").text == "cdeghi"
+
+
 def test_abort_is_the_last_delta() -> None:
     processor = OutputProcessor(LetterTokenizer())
     processor.add_request(7, None, [1], SamplingParams())

@@ -174,3 +174,17 @@ def test_min_p_keeps_tokens_near_the_most_likely() -> None:
     tokens = sampler(rows, [SamplingParams(temperature=1.0, min_p=0.5)] * 2000, [0] * 2000).tokens
     freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / 2000
     assert freq[2:].sum() == 0 and abs(freq[0] - 0.5 / 0.8) < 0.04  # drawn from what is left, renormalised
+
+
+def test_suppressed_tokens_are_never_picked() -> None:
+    """A request short of its min_tokens may not pick EOS or its stop token
+    ids: greedy rows take the next best, sampled rows draw from the rest."""
+    logits = torch.tensor([[0.0, 9.0, 8.0, 1.0]] * 3)
+    sampler = Sampler(torch.device("cpu"), seed=0, native_argmax=lambda t: [1, 1, 1])
+    greedy = [SamplingParams(temperature=0)] * 3
+    suppressed = [(1,), (), (1, 2)]
+    assert not Sampler.argmax_only(greedy, suppressed) and Sampler.argmax_only(greedy, [(), (), ()])
+    assert sampler(logits, greedy, [0] * 3, suppressed=suppressed).tokens == [2, 1, 3]
+    drawn = sampler(logits[0].expand(500, 4), [SamplingParams(temperature=5.0)] * 500, [0] * 500,
+                    suppressed=[(1, 2)] * 500).tokens
+    assert set(drawn) == {0, 3}

@@ -52,6 +52,7 @@ class _SamplingFields(BaseModel):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    min_tokens: int | None = None  # vLLM's: no EOS, stop token id or stop string before this many tokens
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -83,7 +84,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 # the request fields that are SamplingParams fields of the same name and meaning
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "min_tokens", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "seed", "stop", "stop_token_ids")
 
 
