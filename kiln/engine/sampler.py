@@ -66,9 +66,11 @@ def apply_logit_changes(logits: torch.Tensor, params: list[SamplingParams],
     vLLM's order), from its tokens so far (``histories[i]``, needed where
     ``params[i].penalized``). Rows that change nothing are copied as they are."""
     out = logits.clone(memory_format=torch.contiguous_format)
+    vocab = out.shape[1]
     for i, banned in enumerate(suppressed or ()):
-        if banned:
-            out[i, list(banned)] = float("-inf")
+        inside = [t for t in banned if 0 <= t < vocab]  # a stop token id past the vocabulary is never sampled
+        if inside:
+            out[i, inside] = float("-inf")
     for i, p in enumerate(params):
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=out.device)

@@ -182,7 +182,7 @@ def test_suppressed_tokens_are_never_picked() -> None:
     logits = torch.tensor([[0.0, 9.0, 8.0, 1.0]] * 3)
     sampler = Sampler(torch.device("cpu"), seed=0, native_argmax=lambda t: [1, 1, 1])
     greedy = [SamplingParams(temperature=0)] * 3
-    suppressed = [(1,), (), (1, 2)]
+    suppressed = [(1, 4, -1), (), (1, 2, 99)]  # ids outside the vocabulary (stop token ids may be) change nothing
     assert not Sampler.argmax_only(greedy, suppressed) and Sampler.argmax_only(greedy, [(), (), ()])
     assert sampler(logits, greedy, [0] * 3, suppressed=suppressed).tokens == [2, 1, 3]
     drawn = sampler(logits[0].expand(500, 4), [SamplingParams(temperature=5.0)] * 500, [0] * 500,

@@ -110,9 +110,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, defaults: Sa
     try:
         params.validate("request")
     except ValueError as e:
-        field = re.match(r"request\.(\w+)", str(e))
-        field = field.group(1) if field else None
-        raise APIError(str(e).replace("request.", "", 1), param=field) from None
+        named = re.match(r"request\.(\w+)", str(e))
+        raise APIError(str(e).replace("request.", "", 1), param=named.group(1) if named else None) from None
     return params
 
 
