@@ -6,7 +6,16 @@ import pytest
 import torch
 
 from kiln.engine.request import SamplingParams
-from kiln.engine.sampler import Sampler, apply_logit_changes, apply_min_p, apply_top_k_top_p, argmax_rows
+from kiln.engine.sampler import (
+    NUCLEUS_CANDIDATES,
+    Sampler,
+    _sorted_top_k_top_p,
+    apply_logit_changes,
+    apply_min_p,
+    apply_top_k_top_p,
+    argmax_rows,
+    draw,
+)
 
 
 def test_top_k_and_top_p_masks() -> None:
@@ -188,3 +197,48 @@ def test_suppressed_tokens_are_never_picked() -> None:
     drawn = sampler(logits[0].expand(500, 4), [SamplingParams(temperature=5.0)] * 500, [0] * 500,
                     suppressed=[(1, 2)] * 500).tokens
     assert set(drawn) == {0, 3}
+
+
+@pytest.mark.parametrize("scale", [4.0, 1.0, 0.02])  # peaked rows; flat ones, whose nuclei go past the candidates
+def test_top_k_top_p_on_candidates_keeps_what_a_whole_sort_keeps(scale) -> None:
+    g = torch.Generator().manual_seed(7)
+    vocab = 8 * NUCLEUS_CANDIDATES
+    logits = torch.randn(24, vocab, generator=g) * scale
+    top_k = torch.randint(0, 60, (24,), generator=g)
+    top_k[3] = vocab + 5  # past the vocabulary: off
+    top_p = torch.rand(24, generator=g) * 0.98 + 0.01
+    top_p[::4] = 1.0  # off on some rows
+    for k, p in ((top_k, top_p), (None, top_p), (top_k, None)):
+        fast = apply_top_k_top_p(logits, k, p)
+        whole = _sorted_top_k_top_p(logits, k, p if p is not None else torch.ones(24))
+        assert torch.equal(torch.isinf(fast), torch.isinf(whole))
+        assert torch.equal(fast[torch.isfinite(fast)], logits[torch.isfinite(fast)])  # kept logits unchanged
+    assert apply_top_k_top_p(logits, torch.zeros(24, dtype=torch.long), None) is logits  # nothing to do
+
+
+def test_inverse_cdf_draws_follow_the_distribution_and_never_a_masked_token() -> None:
+    sampler = Sampler(torch.device("cpu"), seed=3)
+    probs = torch.tensor([0.5, 0.0, 0.2, 0.0, 0.3])
+    logits = probs.log().expand(6000, 5).contiguous()
+    tokens = torch.tensor(sampler(logits, [SamplingParams(temperature=1.0)] * 6000, [0] * 6000).tokens)
+    freq = torch.bincount(tokens, minlength=5).float() / 6000
+    assert freq[1] == 0 and freq[3] == 0 and torch.allclose(freq, probs, atol=0.025)
+
+
+@pytest.mark.parametrize("vocab", [1000, 768, 5])  # a partial last block, whole blocks, less than a block
+def test_draw_inverts_the_cumulative_sum_and_skips_zeros(vocab) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    probs = torch.rand(300, vocab, generator=g) ** 4
+    probs[probs < 0.2] = 0.0  # holes, block edges included
+    probs[:, 0] = 0.0
+    probs[:, -1] = 0.0
+    probs[:, 1] += 0.01  # every row has some mass (a softmax's always has)
+    probs[0] = 0.0
+    probs[0, vocab // 2] = 3.0  # one token, any scale
+    u = torch.rand(300, dtype=torch.float64, generator=g)
+    u[1], u[2] = 0.0, 1.0 - 2.0 ** -53  # the ends of [0, 1)
+    tokens = draw(probs, u)
+    sums = probs.double().cumsum(dim=-1)
+    expected = torch.searchsorted(sums, (u * sums[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    assert torch.equal(tokens, expected) and tokens[0] == vocab // 2
+    assert bool((probs.gather(1, tokens.unsqueeze(1)) > 0).all())
