@@ -39,6 +39,7 @@ bench: setup
 	$(PY) -m bench.startup
 	$(PY) -m bench.compile_sizes
 	$(PY) -m bench.cpu_kernels
+	$(PY) -m bench.sampler
 
 clean:
 	rm -rf $(VENV) build *.egg-info

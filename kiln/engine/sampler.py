@@ -17,8 +17,8 @@ import torch
 
 from kiln.engine.request import SamplingParams
 
-__all__ = ["NUCLEUS_CANDIDATES", "History", "Sampler", "SamplerOutput", "TokenLogprobs", "apply_logit_changes", "apply_min_p",
-           "apply_top_k_top_p", "argmax_rows", "draw"]
+__all__ = ["NUCLEUS_CANDIDATES", "History", "Sampler", "SamplerOutput", "TokenLogprobs", "apply_logit_changes",
+           "apply_min_p", "apply_top_k_top_p", "argmax_rows", "draw"]
 
 # A sampling row's tokens so far: (prompt, output), which its penalties read
 History = tuple[Sequence[int], Sequence[int]]
