@@ -253,14 +253,14 @@ class Sampler:
         logits = logits.float()
         if any(p.changes_logits for p in params) or any(suppressed or ()):
             logits = apply_logit_changes(logits, params, histories, suppressed)
-        greedy_tokens = argmax_rows(logits)
-        if all(p.greedy for p in params):
-            tokens, processed = greedy_tokens, logits
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            tokens, processed = argmax_rows(logits), logits
         else:
             processed = self._process(logits, params)
-            sampled = self._sample(processed.softmax(dim=-1), params, steps)
-            greedy_mask = torch.tensor([p.greedy for p in params], device=logits.device)
-            tokens = torch.where(greedy_mask, greedy_tokens, sampled)
+            tokens = self._sample(processed.softmax(dim=-1), params, steps)
+            if any(greedy):
+                tokens = torch.where(torch.tensor(greedy, device=logits.device), argmax_rows(logits), tokens)
         if all(p.logprobs is None for p in params):
             return SamplerOutput(tokens.tolist())
         return SamplerOutput(tokens.tolist(), _logprobs(processed, tokens, params))
