@@ -242,3 +242,23 @@ def test_draw_inverts_the_cumulative_sum_and_skips_zeros(vocab) -> None:
     expected = torch.searchsorted(sums, (u * sums[:, -1]).unsqueeze(1), right=True).squeeze(1)
     assert torch.equal(tokens, expected) and tokens[0] == vocab // 2
     assert bool((probs.gather(1, tokens.unsqueeze(1)) > 0).all())
+
+
+def test_the_sampler_finds_a_prompts_tokens_once_while_its_request_runs() -> None:
+    sampler = Sampler(torch.device("cpu"))
+    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(5))
+    params = [SamplingParams(temperature=0, repetition_penalty=2.0)] * 2
+    prompts, outputs = [[3, 7, 7, 30], [1, 2]], [[5], []]
+    histories = list(zip(prompts, outputs))
+    expected = apply_logit_changes(logits, params, histories).argmax(dim=-1).tolist()
+    assert sampler(logits, params, [1, 0], histories).tokens == expected
+    cached = {id(p): sampler._prompts[id(p)][2] for p in prompts}
+    outputs[1].append(9)  # the next step: the same lists, one output longer
+    expected = apply_logit_changes(logits, params, histories).argmax(dim=-1).tolist()
+    assert sampler(logits, params, [1, 1], histories).tokens == expected
+    assert all(sampler._prompts[id(p)][2] is cached[id(p)] for p in prompts)  # not found again
+    prompts[0].append(39)  # a list that changed is read again
+    again = [(prompts[0], outputs[0])]
+    assert sampler(logits[:1], params[:1], [1], again).tokens == apply_logit_changes(
+        logits[:1], params[:1], again).argmax(dim=-1).tolist()
+    assert list(sampler._prompts) == [id(prompts[0])] and 39 in sampler._prompts[id(prompts[0])][2].tolist()
