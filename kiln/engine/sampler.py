@@ -65,7 +65,7 @@ def apply_top_k_top_p(
         return logits
     most_k = int(k[limited].max()) if limited is not None and bool(limited.any()) else 0
     count = min(vocab, most_k if top_p is None else max(NUCLEUS_CANDIDATES, most_k))
-    values = logits.topk(count, dim=-1).values  # each row's most likely, in descending order
+    values, order = logits.topk(count, dim=-1)  # each row's most likely, in descending order
     filtered = logits
     if most_k:
         kth = values.gather(1, (k.clamp(max=count) - 1).unsqueeze(1))  # type: ignore[union-attr]
@@ -74,7 +74,7 @@ def apply_top_k_top_p(
         values = values.masked_fill(values < kth, float("-inf"))
     if top_p is None:
         return filtered
-    probs = (values - filtered.logsumexp(dim=-1, keepdim=True)).exp()
+    probs = filtered.softmax(dim=-1).gather(1, order)  # one fused pass; logsumexp made five
     keep = probs.cumsum(dim=-1) - probs < top_p.unsqueeze(1)  # less than top_p more likely than it
     cutoff = values.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)
     off = top_p >= 1.0
