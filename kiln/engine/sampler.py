@@ -54,10 +54,10 @@ def apply_top_k_top_p(
     each row's ``NUCLEUS_CANDIDATES`` most likely tokens (or its k, when
     larger), not by sorting the row; rows whose nucleus is not among them
     are sorted. A sampler step of 64 Zipf-like rows of 49152 logits, 2
-    cores: top-p 0.95 22.5 ms against 171, top-k 50 13.5 against 163, with
-    ``draw`` against sorting and the exponential race (``python -m
-    bench.sampler``: bench/results/sampler-cpu-20261207-175615.json, and
-    -175548 for the commit before)."""
+    cores: top-p 0.95 17.8-21.0 ms against 167.6-187.1, top-k 50 11.5-17.0
+    against 165.0-173.0, with ``draw`` against sorting and the exponential
+    race (``python -m bench.sampler``: bench/results/sampler-cpu-20261207-181108.json
+    and -181207, against -181039 and -181139 for the commit before)."""
     vocab = logits.shape[-1]
     k = None if top_k is None else torch.where(top_k <= 0, torch.full_like(top_k, vocab), top_k.clamp(max=vocab))
     limited = None if k is None else k < vocab
@@ -188,8 +188,9 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     ``u`` [R] (fp64, in [0, 1)) times the row's total: a draw from ``probs``
     ([R, V], >= 0, any scale), with one number a row where the exponential
     race (``argmax(p / E)``, ``E ~ Exp(1)``) drew one a token: a sampler step
-    at temperature 0.8 alone, 64 rows of 49152, took 11.2 ms against 64.1
-    (bench/results/sampler-cpu-20261207-175615.json against -175548). The
+    at temperature 0.8 alone, 64 rows of 49152, took 9.3-10.7 ms against
+    64.3-69.2 (bench/results/sampler-cpu-20261207-181108.json and -181207
+    against -181039 and -181139). The
     sums run in fp64 in two levels, blocks of ``_DRAW_BLOCK`` tokens and
     then the tokens of the block found, so that no [R, V] fp64 copy is
     made; a token of probability 0 is never drawn (the target is kept
