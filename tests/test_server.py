@@ -149,6 +149,9 @@ def test_n_seeds_stop_and_logprobs(client, offline) -> None:
     stop = free[5:8]
     cut = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=20, temperature=0, stop=[stop])
     assert cut.choices[0].text == free[: free.index(stop)] and cut.choices[0].finish_reason == "stop"
+    kept = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=20, temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == free[: free.index(stop) + len(stop)] and kept.choices[0].finish_reason == "stop"
     streamed = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=20, temperature=0, stop=stop,
                                          stream=True)
     assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text  # never leaks

@@ -19,8 +19,8 @@ __all__ = ["IncrementalDetokenizer"]
 _CONTEXT_TOKENS = 6
 
 
-def _decoder(tokenizer: Any) -> Callable[[list[int]], str]:
-    """``tokenizer.decode(ids, skip_special_tokens=True)``, as a function of the
+def _decoder(tokenizer: Any, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+    """``tokenizer.decode(ids, skip_special_tokens=...)``, as a function of the
     ids. Where transformers' wrapper would only pass the ids on to the Rust
     tokenizer behind it (a fast tokenizer whose class keeps the base ``decode``
     and ``_decode``, without the clean-up of spaces), the backend's own decode
@@ -28,7 +28,7 @@ def _decoder(tokenizer: Any) -> Callable[[list[int]], str]:
     took 0.43 ms through the wrapper and 0.17 ms on the backend, the same text
     (scratch timing, 2026-12-07)."""
     def wrapped(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=True)
+        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     transformers = sys.modules.get("transformers")  # a tokenizer of its classes has imported it
     fast = getattr(transformers, "PreTrainedTokenizerFast", None) if transformers is not None else None
@@ -39,7 +39,7 @@ def _decoder(tokenizer: Any) -> Callable[[list[int]], str]:
         return wrapped
 
     def direct(ids: list[int]) -> str:
-        return backend.decode(ids, skip_special_tokens=True)
+        return backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     return direct
 
@@ -47,11 +47,16 @@ def _decoder(tokenizer: Any) -> Callable[[list[int]], str]:
 class IncrementalDetokenizer:
     """The output text of one request; ``stop`` strings are looked for once it
     has more than ``min_tokens`` tokens, in the text they added and the few
-    characters before it (as vLLM does)."""
+    characters before it (as vLLM does), and the text is cut before the one
+    found, or after it with ``include_stop``. Special tokens are left out of
+    the text unless ``skip_special_tokens`` is False."""
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str], min_tokens: int = 0) -> None:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str], min_tokens: int = 0,
+                 include_stop: bool = False, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
-        self._decode = _decoder(tokenizer)  # (not called without a tokenizer: add returns first)
+        # (not called without a tokenizer: add returns first)
+        self._decode = _decoder(tokenizer, skip_special_tokens)
+        self.include_stop = include_stop
         self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -82,7 +87,7 @@ class IncrementalDetokenizer:
         for s in self.stop:
             pos = self.text.find(s, max(0, before - len(s) + 1))
             if pos != -1:
-                self.text = self.text[:pos]
+                self.text = self.text[:pos + len(s) if self.include_stop else pos]
                 self.stopped = True
                 return
 

@@ -49,7 +49,8 @@ class OutputProcessor:
 
     def add_request(self, request_id: RequestId, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop_strings, params.min_tokens)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop_strings, params.min_tokens,
+                                       params.include_stop_str_in_output, params.skip_special_tokens)
         self._states[request_id] = _RequestState(prompt, list(prompt_token_ids), detok, params.logprobs is not None)
 
     def __contains__(self, request_id: RequestId) -> bool:

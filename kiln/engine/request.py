@@ -46,10 +46,12 @@ class SamplingParams:
     ``top_k`` and ``top_p`` follow, in that order. Generation stops at
     ``max_tokens`` new tokens, at the model's EOS token (unless ``ignore_eos``),
     at any of ``stop_token_ids``, or when the text produced so far contains one of
-    the ``stop`` strings (which is cut from the returned text); before
+    the ``stop`` strings (which is cut from the returned text, unless
+    ``include_stop_str_in_output``); before
     ``min_tokens`` new tokens none of these stop it (EOS and the stop token ids
     are not sampled, stop strings not looked for), as in vLLM. ``logprobs=k``
     returns each new token's log-probability and the ``k`` most likely ones.
+    The text leaves special tokens out unless ``skip_special_tokens`` is False.
     """
 
     max_tokens: int = 16
@@ -67,6 +69,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def validate(self, where: str = "SamplingParams") -> None:
         """Raise ValueError naming the first invalid field."""
@@ -80,8 +84,9 @@ class SamplingParams:
             raise ValueError(f"{where}.top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"{where}.seed must be an integer or None, got {self.seed!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"{where}.ignore_eos must be true or false, got {self.ignore_eos!r}")
+        for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{where}.{flag} must be true or false, got {getattr(self, flag)!r}")
         stop = self.stop
         if stop is not None and not isinstance(stop, str) and (
             not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop)

@@ -127,3 +127,23 @@ def test_a_fast_tokenizer_is_decoded_on_its_backend_with_the_wrappers_text() -> 
     assert _decoder(_fast_tokenizer(clean_up=True)).__name__ == "wrapped"
     letters = LetterTokenizer()
     assert _decoder(letters).__name__ == "wrapped" and _decoder(letters)([1, 5, 2]) == letters.decode([1, 5, 2])
+
+
+def test_include_stop_str_in_output_and_special_tokens_in_the_text() -> None:
+    """vLLM's two output options: the stop string found ends the text instead
+    of being cut, and special tokens are written out when asked."""
+    from kiln.engine.detokenizer import IncrementalDetokenizer
+
+    processor = OutputProcessor(LetterTokenizer())
+    processor.add_request("a", None, [1], SamplingParams(stop=["cd"], include_stop_str_in_output=True))
+    for t in [1, 2, 3, 4, 6]:  # "bcde", then "g" the engine made before the abort
+        processor.process(EngineOutputs([EngineOutput("a", [t])]))
+    out = processor.get_output("a")
+    assert out.text == "bcd" and out.finish_reason == "stop"
+    tok = _fast_tokenizer(clean_up=False)
+    ids = tok.encode("Hello world") + [tok.eos_token_id] + tok.encode(" it")
+    for skip, text in ((True, "Hello world it"), (False, "Hello world<eos> it")):
+        detok = IncrementalDetokenizer(tok, ids[:1], [], skip_special_tokens=skip)
+        for t in ids[1:]:
+            detok.add([t])
+        assert tok.decode(ids[:1]) + detok.take(finished=True) == text

@@ -31,6 +31,8 @@ from kiln.engine.request import SamplingParams
         ({"stop_token_ids": {3, 4}}, r"p\.stop_token_ids"),
         ({"stop_token_ids": [1, "2"]}, r"p\.stop_token_ids"),
         ({"ignore_eos": "no"}, r"p\.ignore_eos must be true or false"),
+        ({"include_stop_str_in_output": 1}, r"p\.include_stop_str_in_output must be true or false, got 1"),
+        ({"skip_special_tokens": None}, r"p\.skip_special_tokens must be true or false"),
         ({"min_p": -0.1}, r"p\.min_p must be in \[0, 1\]"),
         ({"min_tokens": -1}, r"p\.min_tokens must be an integer in \[0, max_tokens=16\], got -1"),
         ({"min_tokens": 17}, r"p\.min_tokens must be an integer in \[0, max_tokens=16\]"),

@@ -57,6 +57,8 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None  # token id (as a string, as JSON keys are) -> bias in [-100, 100]
+    include_stop_str_in_output: bool | None = None  # vLLM's: the stop string found ends the text
+    skip_special_tokens: bool | None = None  # vLLM's: False puts special tokens in the text
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -85,7 +87,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 # the request fields that are SamplingParams fields of the same name and meaning
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "min_tokens", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "seed", "stop", "stop_token_ids")
+                    "repetition_penalty", "seed", "stop", "stop_token_ids", "include_stop_str_in_output",
+                    "skip_special_tokens")
 
 
 def _check_common(req: _SamplingFields) -> None:
