@@ -59,7 +59,7 @@ def apply_top_k_top_p(
     race (``python -m bench.sampler``: bench/results/sampler-cpu-20261207-181108.json
     and -181207, against -181039 and -181139 for the commit before)."""
     vocab = logits.shape[-1]
-    k = None if top_k is None else torch.where(top_k <= 0, torch.full_like(top_k, vocab), top_k.clamp(max=vocab))
+    k = None if top_k is None else _effective_top_k(top_k, vocab)
     limited = None if k is None else k < vocab
     if top_p is None and (limited is None or not bool(limited.any())):
         return logits
@@ -87,13 +87,17 @@ def apply_top_k_top_p(
     return out
 
 
+def _effective_top_k(top_k: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Each row's k as a count of tokens kept: 0 (off) and more than the vocabulary become the vocabulary."""
+    return torch.where(top_k <= 0, torch.full_like(top_k, vocab), top_k.clamp(max=vocab))
+
+
 def _sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
     """``apply_top_k_top_p`` by sorting each row whole."""
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=False)
     if top_k is not None:
-        k = torch.where(top_k <= 0, torch.full_like(top_k, vocab), top_k.clamp(max=vocab))
-        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+        kth = sorted_logits.gather(1, (vocab - _effective_top_k(top_k, vocab)).unsqueeze(1))
         sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
     cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     drop = cumulative <= (1 - top_p).unsqueeze(1)
