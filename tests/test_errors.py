@@ -108,7 +108,7 @@ def rt(llama_checkpoint) -> Runtime:
         ([[1, 2]], SamplingParams(top_p=0.0), r"params\[0\]\.top_p"),
         ([[1, 2]], SamplingParams(top_p=1.5), r"params\[0\]\.top_p"),
         ([[1, 2]], SamplingParams(max_tokens=0), r"params\[0\]\.max_tokens"),
-        ([[1, 2]], SamplingParams(top_k=-1), r"params\[0\]\.top_k"),
+        ([[1, 2]], SamplingParams(top_k=-2), r"params\[0\]\.top_k"),
         ([[1, 2], [3]], [SamplingParams(), SamplingParams(max_tokens=-3)], r"params\[1\]\.max_tokens"),
         ([[1, 2], [3]], [SamplingParams()], "got 1 SamplingParams for 2 prompts"),
     ],

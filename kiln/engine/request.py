@@ -29,8 +29,8 @@ def _is_number(value: Any) -> bool:
 class SamplingParams:
     """How to pick tokens for one request.
 
-    ``temperature=0`` (or below ``GREEDY_EPSILON``) is greedy. ``top_k=0`` and
-    ``top_p=1.0`` disable those filters; ``min_p`` drops the tokens less likely
+    ``temperature=0`` (or below ``GREEDY_EPSILON``) is greedy. ``top_k=0`` (or
+    -1, as vLLM also takes it) and ``top_p=1.0`` disable those filters; ``min_p`` drops the tokens less likely
     than that fraction of the most likely one's probability (0 disables it).
     ``seed`` makes the request's samples reproducible whatever else is in the
     batch.
@@ -78,8 +78,8 @@ class SamplingParams:
             raise ValueError(f"{where}.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"{where}.temperature must be a number >= 0, got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"{where}.top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"{where}.top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"{where}.top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not _is_int(self.seed):

@@ -1,8 +1,10 @@
 """Turning logits into tokens: logit bias and repeat penalties, then greedy, or
 temperature, min-p, top-k and top-p and a draw, all in fp32.
 
-A row is sampled by inverting its cumulative probabilities at one uniform
-number, which lets every row take its randomness from its own generator. A
+A row with a filter is sampled among the tokens it keeps, found among its most
+likely tokens without filtering the whole row (``nucleus``); a row is drawn by
+inverting its cumulative probabilities at one uniform number, which lets every
+row take its randomness from its own generator. A
 request with a seed draws the number of its n-th token from a generator seeded by
 ``(seed, n)``: its tokens do not depend on what else is in the batch, nor on
 preemption.
@@ -12,13 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kiln.engine.request import SamplingParams
 
-__all__ = ["NUCLEUS_CANDIDATES", "History", "Sampler", "SamplerOutput", "TokenLogprobs", "apply_logit_changes",
-           "apply_min_p", "apply_top_k_top_p", "argmax_rows", "draw", "prompt_tokens"]
+__all__ = ["NUCLEUS_CANDIDATES", "NUCLEUS_STAGES", "Filters", "History", "Nucleus", "Sampler", "SamplerOutput",
+           "TokenLogprobs", "apply_logit_changes", "apply_min_p", "apply_top_k_top_p", "argmax_rows", "draw",
+           "filter_logits", "nucleus", "prompt_tokens"]
 
 # A sampling row's tokens so far: (prompt, output), which its penalties read
 History = tuple[Sequence[int], Sequence[int]]
@@ -37,54 +41,184 @@ def _step_seed(seed: int, step: int) -> int:
     return (seed * _MIX + step * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
 
 
-# A filtered row's nucleus is looked for among its this many most likely tokens
-# first; a row whose nucleus goes past them is sorted whole.
-NUCLEUS_CANDIDATES = 256
+# A sampled row's kept tokens (after min-p, top-k and top-p) are looked for
+# among its most likely ones, at these widths in turn (or at its top-k, where
+# larger); a row whose kept tokens reach past the last width is filtered whole.
+NUCLEUS_STAGES = (32, 256)
+NUCLEUS_CANDIDATES = NUCLEUS_STAGES[-1]
+
+
+@dataclass(frozen=True)
+class Filters:
+    """Each row's top-k (0 = off), top-p (1.0 = off) and min-p (0.0 = off);
+    a field is None where no row uses that filter."""
+
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], device: torch.device, skip: Sequence[bool] = ()) -> Filters:
+        """The filters of ``params``' rows, off on the rows whose ``skip`` is true."""
+        skipped = list(skip) + [False] * (len(params) - len(skip))
+
+        def column(name: str, off: Any, dtype: torch.dtype) -> torch.Tensor | None:
+            values = [off if s else getattr(p, name) for p, s in zip(params, skipped)]
+            return torch.tensor(values, dtype=dtype, device=device) if any(v != off for v in values) else None
+
+        return cls(column("top_k", 0, torch.long), column("top_p", 1.0, torch.float32),
+                   column("min_p", 0.0, torch.float32))
+
+    def rows(self, index: torch.Tensor) -> Filters:
+        return Filters(*(None if t is None else t[index] for t in (self.top_k, self.top_p, self.min_p)))
+
+    def limited(self, vocab: int) -> torch.Tensor | None:
+        """[R] bool: the rows whose top-k keeps fewer than ``vocab`` tokens (None: no row has a top-k)."""
+        return None if self.top_k is None else _effective_top_k(self.top_k, vocab) < vocab
+
+    def on(self, rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+        """[R] bool: the rows that some filter may change."""
+        on = torch.zeros(rows, dtype=torch.bool, device=device)
+        for t in (self.limited(vocab), None if self.top_p is None else self.top_p < 1.0,
+                  None if self.min_p is None else self.min_p > 0.0):
+            if t is not None:
+                on |= t
+        return on
+
+
+@dataclass(frozen=True)
+class Nucleus:
+    """The tokens each row keeps after its filters, where they were found among
+    its most likely tokens: row i keeps ``ids[i, :kept[i]]`` (logits
+    ``values[i, :kept[i]]``, largest first). ``kept[i]`` is 0 where the row
+    has no filter, or its kept tokens were not all among its candidates: such a
+    row is filtered whole (``filter_logits``)."""
+
+    values: torch.Tensor  # [R, W]
+    ids: torch.Tensor  # [R, W]
+    kept: torch.Tensor  # [R] int64
+
+    def rows(self, index: torch.Tensor) -> Nucleus:
+        return Nucleus(self.values[index], self.ids[index], self.kept[index])
+
+    def threshold(self) -> torch.Tensor:
+        """[R, 1]: each row's smallest kept logit (meaningful where ``kept`` > 0)."""
+        return self.values.gather(1, (self.kept - 1).clamp(min=0).unsqueeze(1))
+
+
+def nucleus(logits: torch.Tensor, filters: Filters) -> Nucleus:
+    """Each row's kept tokens (``Nucleus``) under min-p, then top-k, then top-p
+    (vLLM's order), looked for among its ``NUCLEUS_STAGES`` most likely tokens
+    in turn. A token is kept when its logit is at least the k-th largest, at
+    least the largest plus ln(min_p), and when the kept tokens more likely
+    than it hold less than ``top_p`` of their probability; tokens tied with
+    the last one kept stay too. A row's result depends only on the row: the
+    same kept tokens whatever else is in the batch."""
+    rows, vocab = logits.shape
+    pending = filters.on(rows, vocab, logits.device).nonzero().squeeze(1)
+    found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for width in NUCLEUS_STAGES:
+        if not len(pending):
+            break
+        sub = logits if len(pending) == rows else logits[pending]
+        values, ids, kept = _nucleus_among(sub, filters.rows(pending), width)
+        hit = kept > 0
+        found.append((pending[hit], values[hit], ids[hit], kept[hit]))
+        pending = pending[~hit]
+    widest = max((v.shape[1] for _, v, _, _ in found), default=1)
+    out = Nucleus(logits.new_full((rows, widest), float("-inf")),
+                  torch.zeros(rows, widest, dtype=torch.long, device=logits.device),
+                  torch.zeros(rows, dtype=torch.long, device=logits.device))
+    for index, values, ids, kept in found:
+        out.values[index, :values.shape[1]] = values
+        out.ids[index, :ids.shape[1]] = ids
+        out.kept[index] = kept
+    return out
+
+
+def _nucleus_among(logits: torch.Tensor, f: Filters, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``nucleus`` for rows that each have a filter, among each row's ``width``
+    most likely tokens (its k + 1 where only a top-k filters it, and at least
+    that where another filter joins): (values, ids, kept), kept 0 where the
+    row's kept tokens may reach past its candidates."""
+    rows, vocab = logits.shape
+    device = logits.device
+    k = torch.full((rows,), vocab, device=device) if f.top_k is None else _effective_top_k(f.top_k, vocab)
+    limited = k < vocab
+    wide = torch.zeros(rows, dtype=torch.bool, device=device)
+    if f.top_p is not None:
+        wide |= f.top_p < 1.0
+    if f.min_p is not None:
+        wide |= f.min_p > 0.0
+    # candidates a row: one past its k (a token tied with the k-th would be kept too), at least ``width`` where
+    # another filter joins
+    own = torch.where(wide, torch.where(limited, (k + 1).clamp(min=width), width), k + 1).clamp(max=vocab)
+    values, ids = logits.topk(int(own.max()), dim=-1)
+    columns = torch.arange(values.shape[1], device=device)
+    minus_inf = values.new_tensor(float("-inf"))
+    thr = torch.where(limited, values.gather(1, (k.clamp(max=values.shape[1]) - 1).unsqueeze(1)).squeeze(1), minus_inf)
+    if f.min_p is not None:
+        thr = torch.maximum(thr, values[:, 0] + f.min_p.log())  # p >= min_p * p_max, as logits
+    last = values.gather(1, (own - 1).unsqueeze(1)).squeeze(1)  # each row's last candidate
+    everything = own == vocab  # no token past the candidates
+    if f.top_p is not None:
+        # top-p's probabilities are over what min-p and top-k keep, so those must all be candidates; or over the
+        # whole row, where neither filters it
+        whole = thr == minus_inf
+        normalised = whole | everything | (last < thr)
+        before = (columns < own.unsqueeze(1)) & (values >= thr.unsqueeze(1))
+        norm = torch.where(before, values, minus_inf).logsumexp(dim=-1)
+        if bool(whole.all()):
+            norm = logits.logsumexp(dim=-1)
+        elif bool(whole.any()):
+            norm[whole] = logits[whole].logsumexp(dim=-1)
+        probs = (values - norm.unsqueeze(1)).exp().masked_fill(~before, 0.0)
+        in_nucleus = before & (probs.cumsum(dim=-1) - probs < f.top_p.unsqueeze(1))  # less than top_p before it
+        applies = f.top_p < 1.0
+        least = torch.where(in_nucleus, values, values.new_tensor(float("inf"))).amin(dim=-1)
+        thr = torch.where(applies, torch.maximum(thr, least), thr)
+        covered = (everything | (last < thr)) & (normalised | ~applies)
+    else:
+        covered = everything | (last < thr)
+    kept = ((columns < own.unsqueeze(1)) & (values >= thr.unsqueeze(1))).sum(dim=-1)
+    return values, ids, torch.where(covered, kept, torch.zeros_like(kept))
+
+
+def filter_logits(logits: torch.Tensor, filters: Filters, found: Nucleus | None = None) -> torch.Tensor:
+    """``logits`` with what each row's filters drop at -inf: the tokens below
+    its ``nucleus`` threshold, or, for rows whose kept tokens were not among
+    their candidates, min-p over the whole row and then top-k/top-p by sorting
+    it (``_sorted_top_k_top_p``). Rows without a filter are as they were."""
+    rows, vocab = logits.shape
+    found = nucleus(logits, filters) if found is None else found
+    hit = found.kept > 0
+    out = logits.masked_fill(hit.unsqueeze(1) & (logits < found.threshold()), float("-inf")) if bool(hit.any()) \
+        else logits
+    missed = (filters.on(rows, vocab, logits.device) & ~hit).nonzero().squeeze(1)
+    if len(missed):
+        f = filters.rows(missed)
+        whole = logits[missed]
+        if f.min_p is not None:
+            whole = apply_min_p(whole, f.min_p)
+        if f.top_k is not None or f.top_p is not None:
+            top_p = f.top_p if f.top_p is not None else torch.ones(len(missed), device=logits.device)
+            whole = _sorted_top_k_top_p(whole, f.top_k, top_p)
+        out = logits.clone() if out is logits else out
+        out[missed] = whole
+    return out
 
 
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
-    """Mask (to -inf) what lies outside each row's top-k and nucleus top-p.
-
-    ``top_k`` [R] int (0 = off), ``top_p`` [R] float (1.0 = off). A token is
-    kept when its logit is at least the k-th largest, and when the tokens more
-    likely than it (under the top-k-filtered row) hold less than ``top_p`` of
-    the probability; tokens tied with the last one kept stay too. Found among
-    each row's ``NUCLEUS_CANDIDATES`` most likely tokens (or its k, when
-    larger), not by sorting the row; rows whose nucleus is not among them
-    are sorted. A sampler step of 64 Zipf-like rows of 49152 logits, 2
-    cores: top-p 0.95 17.8-21.0 ms against 167.6-187.1, top-k 50 11.5-17.0
-    against 165.0-173.0, with ``draw`` against sorting and the exponential
-    race (``python -m bench.sampler``: bench/results/sampler-cpu-20261207-181108.json
-    and -181207, against -181039 and -181139 for the commit before)."""
-    vocab = logits.shape[-1]
-    k = None if top_k is None else _effective_top_k(top_k, vocab)
-    limited = None if k is None else k < vocab
-    if top_p is None and (limited is None or not bool(limited.any())):
+    """Mask (to -inf) what lies outside each row's top-k and nucleus top-p
+    (``top_k`` [R] int, 0 = off; ``top_p`` [R] float, 1.0 = off), as
+    ``nucleus`` keeps them: ``filter_logits`` with no min-p. ``logits``
+    itself where no row has either filter."""
+    filters = Filters(top_k, top_p)
+    if not bool(filters.on(*logits.shape, logits.device).any()):
         return logits
-    most_k = int(k[limited].max()) if limited is not None and bool(limited.any()) else 0
-    count = min(vocab, most_k if top_p is None else max(NUCLEUS_CANDIDATES, most_k))
-    values, order = logits.topk(count, dim=-1)  # each row's most likely, in descending order
-    filtered = logits
-    if most_k:
-        kth = values.gather(1, (k.clamp(max=count) - 1).unsqueeze(1))  # type: ignore[union-attr]
-        kth = kth.masked_fill(~limited.unsqueeze(1), float("-inf"))  # type: ignore[union-attr]
-        filtered = logits.masked_fill(logits < kth, float("-inf"))
-        values = values.masked_fill(values < kth, float("-inf"))
-    if top_p is None:
-        return filtered
-    probs = filtered.softmax(dim=-1).gather(1, order)  # one fused pass; logsumexp made five
-    keep = probs.cumsum(dim=-1) - probs < top_p.unsqueeze(1)  # less than top_p more likely than it
-    cutoff = values.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)
-    off = top_p >= 1.0
-    cutoff = cutoff.masked_fill(off.unsqueeze(1), float("-inf"))
-    out = filtered.masked_fill(filtered < cutoff, float("-inf"))
-    uncovered = ~(off | (probs.sum(dim=-1) >= top_p)) if count < vocab else torch.zeros_like(off)
-    if bool(uncovered.any()):
-        rows = uncovered.nonzero().squeeze(1)
-        out[rows] = _sorted_top_k_top_p(logits[rows], None if top_k is None else top_k[rows], top_p[rows])
-    return out
+    return filter_logits(logits, filters)
 
 
 def _effective_top_k(top_k: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -93,16 +227,17 @@ def _effective_top_k(top_k: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def _sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
-    """``apply_top_k_top_p`` by sorting each row whole."""
+    """Top-k and top-p by sorting each row whole, keeping what ``nucleus`` keeps."""
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=False)
     if top_k is not None:
         kth = sorted_logits.gather(1, (vocab - _effective_top_k(top_k, vocab)).unsqueeze(1))
         sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
     cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop = cumulative <= (1 - top_p).unsqueeze(1)
+    drop = cumulative <= (1 - top_p).unsqueeze(1)  # a prefix of each row: the least likely
     drop[:, -1] = False  # the most likely token always stays
-    sorted_logits.masked_fill_(drop, float("-inf"))
+    least_kept = sorted_logits.gather(1, drop.sum(dim=-1, keepdim=True))
+    sorted_logits.masked_fill_(sorted_logits < least_kept, float("-inf"))  # tokens tied with it stay too
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
@@ -178,10 +313,10 @@ def _penalize(logits: torch.Tensor, rows: list[int], params: list[SamplingParams
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) each row's tokens whose probability is below ``min_p``
-    ([R] float, 0 = off) times that of its most likely token."""
-    probs = logits.softmax(dim=-1)
-    floor = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-    return logits.masked_fill(probs < floor, float("-inf"))
+    ([R] float, 0 = off) times that of its most likely token: as logits, those
+    below the largest plus ln(min_p), with no softmax."""
+    floor = logits.amax(dim=-1, keepdim=True) + min_p.unsqueeze(1).log()
+    return logits.masked_fill(logits < floor, float("-inf"))
 
 
 _DRAW_BLOCK = 256  # tokens a block of ``draw``'s first search
@@ -194,16 +329,18 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     race (``argmax(p / E)``, ``E ~ Exp(1)``) drew one a token: a sampler step
     at temperature 0.8 alone, 64 rows of 49152, took 9.3-10.7 ms against
     64.3-69.2 (bench/results/sampler-cpu-20261207-181108.json and -181207
-    against -181039 and -181139). The
-    sums run in fp64 in two levels, blocks of ``_DRAW_BLOCK`` tokens and
-    then the tokens of the block found, so that no [R, V] fp64 copy is
-    made; a token of probability 0 is never drawn (the target is kept
-    inside the block's sum, and the search finds the first sum above it)."""
+    against -181039 and -181139). The sums run in two levels: each block
+    of ``_DRAW_BLOCK`` tokens summed in fp32 and the blocks' running sum in
+    fp64, then the running sum of the block found in fp64. No [R, V] fp64
+    copy is made: summing the blocks in fp64 converted the whole row first,
+    a 25 MB temporary at 64 rows of 49152 that took 1.5-8 ms a step. A token
+    of probability 0 is never drawn (the target is kept inside the block's
+    sum, and the search finds the first sum above it)."""
     rows, vocab = probs.shape
     blocks = -(-vocab // _DRAW_BLOCK)
     padded = torch.nn.functional.pad(probs, (0, blocks * _DRAW_BLOCK - vocab)) if vocab % _DRAW_BLOCK else probs
     per_block = padded.view(rows, blocks, _DRAW_BLOCK)
-    sums = per_block.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # [R, blocks]
+    sums = per_block.sum(dim=-1).double().cumsum(dim=-1)  # [R, blocks]: blocks in fp32, no [R, V] fp64 copy
     target = u * sums[:, -1]
     block = torch.searchsorted(sums, target.unsqueeze(1), right=True).squeeze(1).clamp_(max=blocks - 1)
     before = torch.where(block > 0, sums.gather(1, (block - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
@@ -270,17 +407,13 @@ class Sampler:
         logits = logits.float()
         if any(p.changes_logits for p in params) or any(suppressed or ()):
             logits = self._change_logits(logits, params, histories, suppressed)
-        greedy = [p.greedy for p in params]
-        if all(greedy):
-            tokens, processed = argmax_rows(logits), logits
+        if all(p.greedy for p in params):
+            tokens, processed = argmax_rows(logits), lambda: logits
         else:
-            processed = self._process(logits, params)
-            tokens = self._sample(processed.softmax(dim=-1), params, steps)
-            if any(greedy):
-                tokens = torch.where(torch.tensor(greedy, device=logits.device), argmax_rows(logits), tokens)
+            tokens, processed = self._sample(logits, params, steps)
         if all(p.logprobs is None for p in params):
             return SamplerOutput(tokens.tolist())
-        return SamplerOutput(tokens.tolist(), _logprobs(processed, tokens, params))
+        return SamplerOutput(tokens.tolist(), _logprobs(processed(), tokens, params))
 
     def _change_logits(self, logits: torch.Tensor, params: list[SamplingParams],
                        histories: Sequence[History | None] | None,
@@ -303,27 +436,51 @@ class Sampler:
         self._prompts = kept  # only this step's: finished requests' prompts are let go
         return changed
 
-    @staticmethod
-    def _process(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
-        logits = logits / temps.unsqueeze(1)
-        if any(p.min_p > 0.0 for p in params):
-            logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=logits.device))
-        top_k = top_p = None
-        if any(p.top_k > 0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], device=logits.device)
-        if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-        if top_k is not None or top_p is not None:
-            logits = apply_top_k_top_p(logits, top_k, top_p)
-        return logits
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]
+                ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+        """A token per row (greedy rows: the argmax), and what gives the
+        processed logits that log-probabilities are taken on, when asked.
 
-    def _sample(self, probs: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> torch.Tensor:
-        """A token per row drawn from ``probs`` (``draw``) at one uniform number
-        in [0, 1) a row: from the sampler's generator, or for a seeded request
-        from a generator of its own seeded by ``(seed, step)``."""
-        device = probs.device
-        u = torch.zeros(probs.shape[0], dtype=torch.float64, device=device)
+        Sampled rows are divided by their temperature. A row whose filters
+        keep tokens found among its most likely ones (``nucleus``) draws
+        among those, most likely first; the others are filtered whole
+        (``filter_logits``) and draw from their softmax. Greedy rows take no
+        filter, as vLLM turns them off at temperature 0."""
+        device = logits.device
+        greedy = [p.greedy for p in params]
+        temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=device)
+        scaled = logits / temps.unsqueeze(1)
+        filters = Filters.of(params, device, skip=greedy)
+        found = nucleus(scaled, filters)
+        u = self._uniforms(params, steps)
+        tokens = torch.zeros(len(params), dtype=torch.long, device=device)
+        sampled = torch.tensor([not g for g in greedy], device=device)
+        among = (sampled & (found.kept > 0)).nonzero().squeeze(1)
+        if len(among):
+            values = found.values[among]
+            probs = (values - values[:, :1]).exp()
+            probs.masked_fill_(torch.arange(values.shape[1], device=device) >= found.kept[among].unsqueeze(1), 0.0)
+            tokens[among] = found.ids[among].gather(1, draw(probs, u[among]).unsqueeze(1)).squeeze(1)
+        whole = (sampled & (found.kept == 0)).nonzero().squeeze(1)
+        if len(whole):
+            every = len(whole) == len(params)
+            rows = scaled if every else scaled[whole]
+            kept = filter_logits(rows, filters if every else filters.rows(whole), found if every else found.rows(whole))
+            if kept is not scaled or all(p.logprobs is None for p in params):  # no one reads it after: in place
+                probs = kept.sub_(kept.amax(dim=-1, keepdim=True)).exp_()  # draw takes any scale
+            else:
+                probs = kept.softmax(dim=-1)
+            tokens[whole] = draw(probs, u[whole])
+        if any(greedy):
+            tokens = torch.where(~sampled, argmax_rows(logits), tokens)
+        return tokens, lambda: filter_logits(scaled, filters, found)
+
+    def _uniforms(self, params: list[SamplingParams], steps: list[int]) -> torch.Tensor:
+        """[R] fp64 in [0, 1), one a sampled row (0 for greedy rows): from the
+        sampler's generator, or for a seeded request from a generator of its
+        own seeded by ``(seed, step)``."""
+        device = self.device
+        u = torch.zeros(len(params), dtype=torch.float64, device=device)
         unseeded = [i for i, p in enumerate(params) if p.seed is None and not p.greedy]
         if unseeded:
             u[torch.tensor(unseeded, device=device)] = torch.rand(
@@ -333,13 +490,13 @@ class Sampler:
                 g = torch.Generator(device=device)
                 g.manual_seed(_step_seed(p.seed, steps[i]))
                 u[i] = torch.rand(1, dtype=torch.float64, device=device, generator=g)[0]
-        return draw(probs, u)
+        return u
 
 
 def _logprobs(processed: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
               ) -> list[TokenLogprobs | None]:
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    logp = processed[rows].log_softmax(dim=-1)
+    logp = (processed if len(rows) == len(params) else processed[rows]).log_softmax(dim=-1)
     chosen = logp.gather(1, tokens[rows].unsqueeze(1)).squeeze(1).tolist()
     k = max(params[i].logprobs or 0 for i in rows)
     top_values, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())

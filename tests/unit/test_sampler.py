@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from kiln.engine.request import SamplingParams
 from kiln.engine.sampler import (
     NUCLEUS_CANDIDATES,
+    NUCLEUS_STAGES,
+    Filters,
     Sampler,
     _sorted_top_k_top_p,
     apply_logit_changes,
@@ -15,6 +19,8 @@ from kiln.engine.sampler import (
     apply_top_k_top_p,
     argmax_rows,
     draw,
+    filter_logits,
+    nucleus,
 )
 
 
@@ -228,7 +234,7 @@ def test_inverse_cdf_draws_follow_the_distribution_and_never_a_masked_token() ->
 @pytest.mark.parametrize("vocab", [1000, 768, 5])  # a partial last block, whole blocks, less than a block
 def test_draw_inverts_the_cumulative_sum_and_skips_zeros(vocab) -> None:
     g = torch.Generator().manual_seed(vocab)
-    probs = torch.rand(300, vocab, generator=g) ** 4
+    probs = (torch.rand(300, vocab, generator=g) ** 4 * 1024).round() / 1024  # block sums exact in fp32
     probs[probs < 0.2] = 0.0  # holes, block edges included
     probs[:, 0] = 0.0
     probs[:, -1] = 0.0
@@ -262,3 +268,97 @@ def test_the_sampler_finds_a_prompts_tokens_once_while_its_request_runs() -> Non
     assert sampler(logits[:1], params[:1], [1], again).tokens == apply_logit_changes(
         logits[:1], params[:1], again).argmax(dim=-1).tolist()
     assert list(sampler._prompts) == [id(prompts[0])] and 39 in sampler._prompts[id(prompts[0])][2].tolist()
+
+
+def _kept_by_hand(row: list[float], k: int, p: float, m: float) -> set[int]:
+    """The tokens min-p, top-k and top-p keep, one filter after the other in fp64."""
+    order = sorted(range(len(row)), key=lambda i: -row[i])
+    thr = float("-inf")
+    if 0 < k < len(row):
+        thr = row[order[k - 1]]
+    if m > 0:
+        thr = max(thr, row[order[0]] + math.log(m))
+    kept = [i for i in order if row[i] >= thr]
+    if p < 1.0:
+        top = row[kept[0]]
+        z = top + math.log(sum(math.exp(row[i] - top) for i in kept))
+        total, last = 0.0, thr
+        for i in kept:  # most likely first: kept while less than p is more likely
+            if total >= p:
+                break
+            last, total = row[i], total + math.exp(row[i] - z)
+        kept = [i for i in kept if row[i] >= last]
+    return set(kept)
+
+
+@pytest.mark.parametrize("case", ["peaked", "flat", "ties", "small vocabulary"])
+def test_filters_keep_what_each_filter_in_turn_keeps(case) -> None:
+    """min-p, top-k and top-p in every mix, rows whose kept tokens lie within
+    the first stage's candidates, the last's, or past them (flat rows), exact
+    ties at the boundary (all kept), k past the candidates and the vocabulary."""
+    g = torch.Generator().manual_seed(11)
+    vocab = 20 if case == "small vocabulary" else 3 * NUCLEUS_CANDIDATES
+    rows = 48
+    logits = torch.randn(rows, vocab, generator=g) * {"peaked": 4.0, "flat": 0.05}.get(case, 1.5)
+    if case == "ties":
+        logits = (logits * 2).round() / 2
+    top_k = torch.randint(0, 2 * NUCLEUS_CANDIDATES, (rows,), generator=g)
+    top_k[::3] = 0
+    top_k[1] = vocab + 3
+    top_k[2] = NUCLEUS_STAGES[0] + 40  # a k past the first stage, with top-p
+    top_k[4] = -1  # off, as vLLM takes it
+    top_p = torch.rand(rows, generator=g) * 0.98 + 0.01
+    top_p[::4] = 1.0
+    min_p = torch.where(torch.rand(rows, generator=g) < 0.5, torch.rand(rows, generator=g) * 0.2, torch.zeros(rows))
+    filters = Filters(top_k, top_p, min_p)
+    out = filter_logits(logits, filters)
+    for i in range(rows):
+        expected = _kept_by_hand(logits[i].double().tolist(), int(top_k[i]), float(top_p[i]), float(min_p[i]))
+        assert set(torch.isfinite(out[i]).nonzero().squeeze(1).tolist()) == expected, f"row {i}"
+    kept = out[torch.isfinite(out)]
+    assert torch.equal(kept, logits[torch.isfinite(out)])  # kept logits unchanged
+    found = nucleus(logits, filters)
+    hits = found.kept > 0
+    if case == "flat":
+        assert not bool(hits[top_p < 0.9].all())  # some rows went past the candidates, to the whole-row path
+    else:
+        assert bool(hits[filters.on(rows, vocab, logits.device)].any())
+    for i in hits.nonzero().squeeze(1).tolist():  # a found row: its kept tokens, most likely first
+        ids = found.ids[i, :found.kept[i]]
+        assert set(ids.tolist()) == set(torch.isfinite(out[i]).nonzero().squeeze(1).tolist())
+        assert bool((found.values[i, :found.kept[i]].diff() <= 0).all())
+
+
+def test_sampling_among_the_candidates_follows_the_filtered_distribution() -> None:
+    """Rows drawn among their nucleus candidates follow the filtered,
+    renormalised distribution, like rows drawn from the whole row."""
+    sampler = Sampler(torch.device("cpu"), seed=4)
+    probs = torch.tensor([0.4, 0.05, 0.25, 0.15, 0.1, 0.05])
+    logits = probs.log().expand(6000, 6).contiguous()
+    for fields, kept in (({"top_p": 0.75}, [0, 2, 3]), ({"top_k": 2}, [0, 2]), ({"min_p": 0.3}, [0, 2, 3])):
+        params = [SamplingParams(temperature=1.0, **fields)] * 6000
+        tokens = torch.tensor(sampler(logits, params, [0] * 6000).tokens)
+        freq = torch.bincount(tokens, minlength=6).double() / 6000
+        expected = torch.zeros(6, dtype=torch.float64)
+        expected[kept] = probs[kept].double() / probs[kept].sum()
+        assert torch.allclose(freq, expected, atol=0.025), fields
+
+
+def test_a_seeded_rows_token_and_logprob_do_not_depend_on_its_batch() -> None:
+    """A seeded row draws the same token alone and beside rows with other
+    filters (a wide top-k, flat rows sorted whole, greedy rows), and its
+    logprob is that of the token it drew, on the distribution it drew from."""
+    g = torch.Generator().manual_seed(2)
+    peaked = torch.randn(4, 4 * NUCLEUS_CANDIDATES, generator=g) * 3
+    flat = torch.randn(3, 4 * NUCLEUS_CANDIDATES, generator=g) * 0.01
+    mine = [SamplingParams(temperature=0.9, top_p=0.8, seed=s, logprobs=3) for s in range(4)]
+    others = [SamplingParams(temperature=1.0, top_k=700, top_p=0.9), SamplingParams(temperature=0.7, top_p=0.5),
+              SamplingParams(temperature=0)]
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    for step in range(5):
+        alone = sampler(peaked, mine, [step] * 4)
+        mixed = sampler(torch.cat([flat, peaked]), others + mine, [step] * 7)
+        assert mixed.tokens[3:] == alone.tokens
+        for a, b in zip(alone.logprobs, mixed.logprobs[3:]):
+            assert a.logprob == pytest.approx(b.logprob) and a.logprob > float("-inf")
+        assert mixed.tokens[2] == int(flat[2].argmax())

@@ -17,7 +17,7 @@ from kiln.engine.request import SamplingParams
         ({"temperature": -0.1}, r"p\.temperature must be a number >= 0"),
         ({"temperature": float("nan")}, r"p\.temperature"),
         ({"temperature": "hot"}, r"p\.temperature"),
-        ({"top_k": -1}, r"p\.top_k"),
+        ({"top_k": -2}, r"p\.top_k"),
         ({"top_p": 0.0}, r"p\.top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"p\.top_p"),
         ({"seed": "abc"}, r"p\.seed must be an integer or None, got 'abc'"),
@@ -57,7 +57,8 @@ def test_bad_fields_are_value_errors_naming_the_field(fields, match) -> None:
 
 def test_accepted_forms() -> None:
     for fields in ({"stop": "x"}, {"stop": ["x", "yz"]}, {"stop": ("x",)}, {"stop_token_ids": [np.int64(3)]},
-                   {"seed": np.int32(7)}, {"temperature": np.float32(0.5)}, {"temperature": 0}):
+                   {"seed": np.int32(7)}, {"temperature": np.float32(0.5)}, {"temperature": 0},
+                   {"top_k": -1}):  # vLLM's other spelling of "off"
         SamplingParams(**fields).validate("p")
     assert SamplingParams(stop="x").stop_strings == ["x"] and SamplingParams().stop_strings == []
 
