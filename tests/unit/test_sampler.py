@@ -362,3 +362,24 @@ def test_a_seeded_rows_token_and_logprob_do_not_depend_on_its_batch() -> None:
         for a, b in zip(alone.logprobs, mixed.logprobs[3:]):
             assert a.logprob == pytest.approx(b.logprob) and a.logprob > float("-inf")
         assert mixed.tokens[2] == int(flat[2].argmax())
+
+
+def test_the_workspace_leaves_the_callers_logits_and_serves_any_shape() -> None:
+    """The sampler writes its whole-row temporaries into buffers it keeps:
+    the logits handed to it stay as they were, and a smaller step after a
+    larger one (or a wider vocabulary after a narrower one) gets the same
+    tokens as a fresh sampler."""
+    g = torch.Generator().manual_seed(9)
+    cases = [
+        (torch.randn(6, 700, generator=g), [SamplingParams(temperature=0.8, top_p=0.9, seed=1, logprobs=2)] * 6),
+        (torch.randn(3, 300, generator=g), [SamplingParams(temperature=0, repetition_penalty=1.3, logprobs=1)] * 3),
+        (torch.randn(2, 900, generator=g), [SamplingParams(temperature=1.2, seed=2), SamplingParams(temperature=0)]),
+    ]
+    kept = Sampler(torch.device("cpu"))
+    for logits, params in cases:
+        before = logits.clone()
+        histories = [([1, 2], [3])] * len(params)
+        out = kept(logits, params, [0] * len(params), histories)
+        assert torch.equal(logits, before)
+        fresh = Sampler(torch.device("cpu"))(logits, params, [0] * len(params), histories)
+        assert out.tokens == fresh.tokens and out.logprobs == fresh.logprobs
