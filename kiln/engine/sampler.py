@@ -398,11 +398,12 @@ class Workspace:
     of a normaliser or a draw), kept from step to step and grown to the
     largest step. A fresh tensor that large is a new mapping from the
     allocator, each of whose pages faults on first touch: 64 rows of a
-    151936-token vocabulary are 39 MB. A sampler step of those 64 rows, 2
-    cores, with these buffers and with the allocator kept from returning
-    memory (``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``, scratch):
-    temperature 21.3 against 8.1 ms, top-p 29.9 against 16.0, greedy with
-    penalties 13.5 against 5.5 (``python -m bench.sampler --vocab 151936``)."""
+    151936-token vocabulary are 39 MB. With these buffers, the draw's block
+    sums in fp32 and the candidates of ``nucleus``, a sampler step of those
+    64 rows (2 cores, ``python -m bench.sampler --vocab 151936``) went from
+    46.8-54.2 to 5.2 ms at temperature 0.8 and from 80.3-97.2 to 15.0-17.8
+    at top-p 0.95 (bench/results/sampler-cpu-20261207-194224.json and
+    -194332 against -194300 and -194405)."""
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor | None] = [None, None]
@@ -495,7 +496,11 @@ class Sampler:
         keep tokens found among its most likely ones (``nucleus``) draws
         among those, most likely first; the others are filtered whole
         (``filter_logits``) and draw from their softmax. Greedy rows take no
-        filter, as vLLM turns them off at temperature 0. The whole-row
+        filter, as vLLM turns them off at temperature 0. 64 Zipf-like rows of
+        49152 logits, 2 cores (``python -m bench.sampler``): top-p 0.95
+        12.8-20.4 -> 4.9 ms a step, top-k 50 8.6-14.5 -> 3.7, min-p 0.05
+        8.1-20.4 -> 3.5 (bench/results/sampler-cpu-20261207-194020.json and
+        -194121 against -194050 and -194152). The whole-row
         temporaries live in the sampler's ``Workspace``: ``logits`` may be its
         first buffer (the changed logits), which the division by temperature
         then overwrites, leaving greedy rows (temperature 1) as they were."""
