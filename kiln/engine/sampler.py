@@ -358,7 +358,7 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     sum, and the search finds the first sum above it)."""
     rows, vocab = probs.shape
     full = vocab // _DRAW_BLOCK  # whole blocks; the tokens past them are one more block
-    sums = probs[:, :full * _DRAW_BLOCK].view(rows, full, _DRAW_BLOCK).sum(dim=-1)  # fp32: no [R, V] fp64 copy
+    sums = probs[:, :full * _DRAW_BLOCK].reshape(rows, full, _DRAW_BLOCK).sum(dim=-1)  # fp32: no [R, V] fp64 copy
     if vocab % _DRAW_BLOCK:
         sums = torch.cat([sums, probs[:, full * _DRAW_BLOCK:].sum(dim=-1, keepdim=True)], dim=1)
     blocks = sums.shape[1]

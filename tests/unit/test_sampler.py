@@ -247,6 +247,7 @@ def test_draw_inverts_the_cumulative_sum_and_skips_zeros(vocab) -> None:
     sums = probs.double().cumsum(dim=-1)
     expected = torch.searchsorted(sums, (u * sums[:, -1]).unsqueeze(1), right=True).squeeze(1)
     assert torch.equal(tokens, expected) and tokens[0] == vocab // 2
+    assert torch.equal(draw(probs.t().contiguous().t(), u), expected)  # rows not contiguous in memory
     assert bool((probs.gather(1, tokens.unsqueeze(1)) > 0).all())
 
 
