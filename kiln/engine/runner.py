@@ -230,11 +230,12 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_run(self) -> None:
         """A forward over ``max_num_batched_tokens`` dummy tokens with no metadata
-        (attention writes nothing), to measure peak activation memory."""
+        (attention writes nothing), to measure peak activation memory; the
+        sampler's buffers for that many rows of logits are counted in it."""
         n = self.max_num_batched_tokens
         with set_forward_context(ForwardContext(attn_metadata=None, kv_caches=self.kv_caches)):
             hidden = self.forward(self.inputs.input_ids.device[:n], self.inputs.positions.device[:n])
-            self.compute_logits(hidden[: self.max_num_seqs])
+            self.sampler.workspace.reserve(self.compute_logits(hidden[: self.max_num_seqs]))
 
 
 def _unpadded(shape: StepShape) -> Dispatch:

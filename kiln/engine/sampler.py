@@ -408,6 +408,12 @@ class Workspace:
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor | None] = [None, None]
 
+    def reserve(self, like: torch.Tensor) -> None:
+        """Both buffers at least as large as ``like``: a GPU load's profiling
+        run takes them, so that the KV cache is sized around them."""
+        self.get(0, like)
+        self.get(1, like)
+
     def get(self, index: int, like: torch.Tensor) -> torch.Tensor:
         """Buffer ``index`` (0 or 1) as an fp32 tensor of ``like``'s shape and
         device; its contents are whatever the last step left."""

@@ -132,3 +132,14 @@ def test_bad_requests_are_refused_before_queueing() -> None:
     with pytest.raises(ValueError, match=r"SamplingParams\.top_p"):
         engine.add_request("p", [1], SamplingParams(top_p=0))
     assert engine.stats().num_waiting == 1
+
+
+def test_the_profiling_run_takes_the_samplers_buffers() -> None:
+    """A GPU load sizes its KV cache from the peak memory of a profiling run,
+    which takes the sampler's buffers for the largest step's logits too."""
+    engine = make_engine(max_num_seqs=8, budget=32)
+    runner = engine.runner
+    runner.profile_run()
+    for index in (0, 1):
+        buffer = runner.sampler.workspace._buffers[index]
+        assert buffer is not None and buffer.numel() == 8 * VOCAB
