@@ -164,6 +164,34 @@ def test_n_seeds_stop_and_logprobs(client, offline) -> None:
     assert len(legacy.choices[0].logprobs.token_logprobs) == 3
 
 
+def _strict_json(text: str) -> dict:
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_logprobs_of_filtered_tokens_are_json_numbers(server) -> None:
+    """A top logprob of a token the filters removed is -inf, which JSON cannot
+    carry: it goes out as -9999.0, as vLLM sends it, streamed or not."""
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 3, "temperature": 1.0, "top_k": 1, "logprobs": 3,
+            "seed": 0}
+    r = httpx.post(f"{server}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    tops = _strict_json(r.text)["choices"][0]["logprobs"]["top_logprobs"]
+    assert all(isinstance(v, float) for t in tops for v in t.values())
+    assert all(-9999.0 in t.values() for t in tops)  # top-k 1: the others were removed
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "temperature": 1.0,
+            "top_p": 1e-6, "logprobs": True, "top_logprobs": 2, "seed": 0}
+    r = httpx.post(f"{server}/v1/chat/completions", json=chat, timeout=120)
+    assert r.status_code == 200, r.text
+    content = _strict_json(r.text)["choices"][0]["logprobs"]["content"]
+    assert [t["top_logprobs"][1]["logprob"] for t in content] == [-9999.0] * 3
+    for request, path in ((body, "completions"), (chat, "chat/completions")):
+        with httpx.stream("POST", f"{server}/v1/{path}", json={**request, "stream": True}, timeout=120) as r:
+            events = [_strict_json(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert len(events) >= 3
+
+
 def test_penalties_min_p_and_logit_bias_reach_the_sampler(client, offline) -> None:
     """OpenAI's logit_bias (token ids as strings) and the penalties vLLM
     accepts give the tokens of the same SamplingParams offline."""

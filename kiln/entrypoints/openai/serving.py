@@ -63,6 +63,15 @@ def _usage(choices: list[Choice]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+# What a log-probability of -inf (a token the filters removed) is sent as: JSON has no infinity, and vLLM
+# sends this number
+LOGPROB_FLOOR = -9999.0
+
+
+def _json_logprob(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
 def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
@@ -185,8 +194,8 @@ class OpenAIServing:
         for tok in tokens:
             offsets.append(offset)
             offset += len(tok)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in choice_lps],
-                "top_logprobs": [{self._token(t): v for t, v in lp.top} for lp in choice_lps],
+        return {"tokens": tokens, "token_logprobs": [_json_logprob(lp.logprob) for lp in choice_lps],
+                "top_logprobs": [{self._token(t): _json_logprob(v) for t, v in lp.top} for lp in choice_lps],
                 "text_offset": offsets}
 
     def _echo(self, choice: Choice, echo: bool) -> str:
@@ -240,7 +249,7 @@ class OpenAIServing:
     def _chat_logprobs(self, lps: list[TokenLogprobs], token_ids: list[int]) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             text = self._token(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            return {"token": text, "logprob": _json_logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
         return {"content": [{**entry(t, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
                             for t, lp in zip(token_ids, lps)]}
