@@ -192,6 +192,18 @@ def test_logprobs_of_filtered_tokens_are_json_numbers(server) -> None:
         assert len(events) >= 3
 
 
+def test_created_is_when_the_request_came(server) -> None:
+    """``created`` stamps the request's arrival, as OpenAI and vLLM do, not the
+    end of a generation that ran for seconds."""
+    for path, extra in (("completions", {"prompt": PROMPTS[0], "max_tokens": 1000}),  # of a 1024-token context
+                        ("chat/completions", {"messages": [{"role": "user", "content": "x"}]})):  # the rest of it
+        before = time.time()
+        r = httpx.post(f"{server}/v1/{path}", json={"model": MODEL, "ignore_eos": True, "temperature": 0, **extra},
+                       timeout=300)
+        took = time.time() - before
+        assert r.status_code == 200 and int(before) <= r.json()["created"] <= int(before) + 1, (took, r.text[:200])
+
+
 def test_penalties_min_p_and_logit_bias_reach_the_sampler(client, offline) -> None:
     """OpenAI's logit_bias (token ids as strings) and the penalties vLLM
     accepts give the tokens of the same SamplingParams offline."""

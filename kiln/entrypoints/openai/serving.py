@@ -204,9 +204,10 @@ class OpenAIServing:
         return choice.prompt_text if choice.prompt_text is not None else self.engine.tokenizer.decode(choice.prompt_ids)
 
     async def completions(self, req: CompletionRequest) -> dict[str, Any]:
+        created = int(time.time())  # when the request came, as OpenAI and vLLM stamp it, not when it finished
         choices = await self._gather(self.completion_choices(req))
         return {
-            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": created,
             "model": self.model_name, "usage": _usage(choices),
             "choices": [{"index": c.index, "text": self._echo(c, req.echo) + c.text, "finish_reason": c.finish_reason,
                          "logprobs": self._completion_logprobs(c.logprobs, c.token_ids, 0)
@@ -255,9 +256,10 @@ class OpenAIServing:
                             for t, lp in zip(token_ids, lps)]}
 
     async def chat(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        created = int(time.time())  # when the request came, not when it finished
         choices = await self._gather(self.chat_choices(req))
         return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": created,
             "model": self.model_name, "usage": _usage(choices),
             "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                          "finish_reason": c.finish_reason,
