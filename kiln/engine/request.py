@@ -30,8 +30,9 @@ class SamplingParams:
     """How to pick tokens for one request.
 
     ``temperature=0`` (or below ``GREEDY_EPSILON``) is greedy. ``top_k=0`` (or
-    -1, as vLLM also takes it) and ``top_p=1.0`` disable those filters; ``min_p`` drops the tokens less likely
-    than that fraction of the most likely one's probability (0 disables it).
+    -1, as vLLM also takes it) and ``top_p=1.0`` disable those filters;
+    ``min_p`` drops the tokens less likely than that fraction of the most
+    likely one's probability (0 disables it).
     ``seed`` makes the request's samples reproducible whatever else is in the
     batch.
 

@@ -241,7 +241,7 @@ def apply_top_k_top_p(
 
 
 def _effective_top_k(top_k: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Each row's k as a count of tokens kept: 0 (off) and more than the vocabulary become the vocabulary."""
+    """Each row's k as a count of tokens kept: 0 or -1 (off) and more than the vocabulary become the vocabulary."""
     return torch.where(top_k <= 0, torch.full_like(top_k, vocab), top_k.clamp(max=vocab))
 
 
