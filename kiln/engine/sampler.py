@@ -4,10 +4,9 @@ temperature, min-p, top-k and top-p and a draw, all in fp32.
 A row with a filter is sampled among the tokens it keeps, found among its most
 likely tokens without filtering the whole row (``nucleus``); a row is drawn by
 inverting its cumulative probabilities at one uniform number, which lets every
-row take its randomness from its own generator. A
-request with a seed draws the number of its n-th token from a generator seeded by
-``(seed, n)``: its tokens do not depend on what else is in the batch, nor on
-preemption.
+row take its randomness from its own generator. A request with a seed draws the
+number of its n-th token from a generator seeded by ``(seed, n)``: its tokens do
+not depend on what else is in the batch, nor on preemption.
 """
 
 from __future__ import annotations
