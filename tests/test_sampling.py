@@ -154,3 +154,28 @@ def test_penalties_and_logit_bias_steer_greedy_tokens(llama_checkpoint) -> None:
     vocab = model.config.vocab_size
     with pytest.raises(ValueError, match=rf"params\[0\]\.logit_bias: token id {vocab} is outside the vocabulary"):
         load_eager(path).generate(prompts[1], SamplingParams(logit_bias={vocab: 1.0}))
+
+
+def test_token_bytes_join_into_the_characters_tokens_split(demo_tokenizer_dir) -> None:
+    """A byte-level token that is part of a UTF-8 character decodes alone to
+    U+FFFD; ``token_bytes`` gives its own bytes (OpenAI's logprobs ``bytes``),
+    so a character's tokens join into it. SentencePiece's byte-fallback
+    pieces (``<0xF0>``) give their byte."""
+    from kiln.engine.detokenizer import token_bytes
+
+    tok = load_eager(demo_tokenizer_dir).tokenizer
+    for text in ("😀😀 你好", "－－ café", "plain words"):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert b"".join(token_bytes(tok, i) for i in ids) == text.encode("utf-8")
+    assert any("\ufffd" in tok.decode([i]) for i in tok.encode("😀", add_special_tokens=False))
+
+    class PieceTokenizer:  # a SentencePiece vocabulary with byte fallback, as Llama 2's and Mistral's
+        pieces = ["<0xF0>", "<0x9F>", "\u2581caf\u00e9"]
+
+        def decode(self, ids: list[int]) -> str:
+            return "\ufffd" if ids[0] < 2 else " café"
+
+        def convert_ids_to_tokens(self, token_id: int) -> str:
+            return self.pieces[token_id]
+
+    assert [token_bytes(PieceTokenizer(), i) for i in range(3)] == [b"\xf0", b"\x9f", " café".encode()]

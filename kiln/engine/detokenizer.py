@@ -10,13 +10,52 @@ any tail that could still grow into a stop string.
 
 from __future__ import annotations
 
+import functools
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["IncrementalDetokenizer"]
+__all__ = ["IncrementalDetokenizer", "token_bytes"]
 
 _CONTEXT_TOKENS = 6
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+@functools.cache
+def _byte_level_inverse() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character a byte-level BPE
+    vocabulary writes for each byte (printable bytes as themselves, the others
+    as the characters from U+0100 on) -> that byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The bytes one token stands for, as OpenAI's logprobs ``bytes`` give
+    them. A token that is part of a UTF-8 character (an emoji's first byte
+    in a byte-level vocabulary, a SentencePiece byte-fallback piece) decodes
+    alone to U+FFFD; its own bytes come from its vocabulary piece instead, so
+    that a client can join a character's tokens."""
+    text = tokenizer.decode([token_id])
+    if "\ufffd" not in text:
+        return text.encode("utf-8")
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str):
+        byte = _BYTE_PIECE.fullmatch(piece)
+        if byte:
+            return bytes([int(byte.group(1), 16)])
+        inverse = _byte_level_inverse()
+        if piece and all(c in inverse for c in piece):
+            return bytes(inverse[c] for c in piece)
+    return text.encode("utf-8")
 
 
 def _decoder(tokenizer: Any, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kiln.engine.outputs import StreamDelta, TokenLogprobs
+from kiln.engine.detokenizer import token_bytes
 from kiln.engine.request import SamplingParams
 from kiln.entrypoints.async_engine import AsyncEngine, RequestTimes
 from kiln.entrypoints.chat import render_chat
@@ -161,6 +162,10 @@ class OpenAIServing:
     def _token(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id]) if self.engine.tokenizer is not None else str(token_id)
 
+    def _token_bytes(self, token_id: int) -> bytes:
+        tokenizer = self.engine.tokenizer
+        return token_bytes(tokenizer, token_id) if tokenizer is not None else str(token_id).encode("utf-8")
+
     # ------------------------------------------------------------------ completions
     def _completion_prompts(self, req: CompletionRequest) -> list[tuple[list[int], str | None]]:
         prompt = req.prompt
@@ -250,7 +255,7 @@ class OpenAIServing:
     def _chat_logprobs(self, lps: list[TokenLogprobs], token_ids: list[int]) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             text = self._token(token_id)
-            return {"token": text, "logprob": _json_logprob(logprob), "bytes": list(text.encode("utf-8"))}
+            return {"token": text, "logprob": _json_logprob(logprob), "bytes": list(self._token_bytes(token_id))}
 
         return {"content": [{**entry(t, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
                             for t, lp in zip(token_ids, lps)]}
