@@ -14,6 +14,13 @@ with top-p 0.95, with both, with min-p 0.05, and greedy with frequency and
 presence penalties over 100 prompt and 100 output tokens a row. Reported in ms
 a step (median over batches of back-to-back calls), with the tokens per second
 of sampling alone that makes at that batch.
+
+The baseline, in the same run: transformers' sampling step as ``generate``
+takes it, its logits processors for the same options (temperature, top-k,
+top-p, min-p) and then ``softmax`` and ``torch.multinomial``, or the argmax
+for greedy rows (with ``log_softmax`` and the top 5 where logprobs are asked
+for). transformers has no per-request seeds and no OpenAI frequency or
+presence penalties: those cases have no baseline.
 """
 
 from __future__ import annotations
@@ -41,6 +48,40 @@ CASES: dict[str, dict[str, Any]] = {
     "greedy + penalties": {"temperature": 0.0, "frequency_penalty": 0.5, "presence_penalty": 0.3},
 }
 HISTORY_TOKENS = 100  # prompt and output tokens a row, for the penalties
+# the cases transformers' generate has no counterpart for
+NO_BASELINE = ("seed", "frequency_penalty", "presence_penalty")
+
+
+def transformers_step(fields: dict[str, Any]) -> Any:
+    """A function of (input_ids, logits) doing transformers' sampling step for
+    ``fields``, or None where transformers has no counterpart."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+    if any(k in fields for k in NO_BASELINE):
+        return None
+    greedy = fields.get("temperature", 1.0) == 0.0
+    warpers = LogitsProcessorList()
+    if not greedy:
+        warpers.append(TemperatureLogitsWarper(fields["temperature"]))
+        if "min_p" in fields:
+            warpers.append(MinPLogitsWarper(fields["min_p"]))
+        if "top_k" in fields:
+            warpers.append(TopKLogitsWarper(fields["top_k"]))
+        if "top_p" in fields:
+            warpers.append(TopPLogitsWarper(fields["top_p"]))
+    logprobs = fields.get("logprobs")
+
+    def step(input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        scores = warpers(input_ids, logits)
+        if greedy:
+            tokens = scores.argmax(dim=-1)
+            if logprobs:
+                scores.log_softmax(dim=-1).topk(logprobs, dim=-1)
+            return tokens
+        return torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)
+
+    return step
 
 
 def zipf_logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -60,15 +101,22 @@ def sampler_report(args: argparse.Namespace) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1)
     histories = [(torch.randint(0, args.vocab, (HISTORY_TOKENS,), generator=g).tolist(),
                   torch.randint(0, args.vocab, (HISTORY_TOKENS,), generator=g).tolist()) for _ in range(args.rows)]
+    input_ids = torch.tensor([h[0] + h[1] for h in histories])
     sampler = Sampler(torch.device("cpu"), seed=0)
     results = []
+    batch_seconds = 0.02 if args.smoke else 0.3
     for name, fields in CASES.items():
         params = [SamplingParams(**fields)] * args.rows
         steps = [0] * args.rows
         t = time_per_call(lambda: sampler(logits, params, steps, histories), repeats=args.repeats,
-                          min_batch_seconds=0.02 if args.smoke else 0.3)
+                          min_batch_seconds=batch_seconds)
+        step = transformers_step(fields)
+        base = None if step is None else time_per_call(lambda: step(input_ids, logits), repeats=args.repeats,
+                                                       min_batch_seconds=batch_seconds)
         results.append({"case": name, "params": fields, "ms": t["median_ms"],
-                        "sampled_tokens_per_s": args.rows / t["median_ms"] * 1e3, "timing": t})
+                        "sampled_tokens_per_s": args.rows / t["median_ms"] * 1e3, "timing": t,
+                        "transformers_ms": None if base is None else base["median_ms"],
+                        "transformers_timing": base})
     return {**record.head(torch_threads=torch.get_num_threads()),
             "settings": {"rows": args.rows, "vocab": args.vocab, "logits": "Zipf-like: -3 ln(rank) + N(0, 0.3)",
                          "history_tokens": HISTORY_TOKENS, "smoke": args.smoke,
@@ -78,10 +126,14 @@ def sampler_report(args: argparse.Namespace) -> dict[str, Any]:
 
 def render(report: dict[str, Any]) -> str:
     s = report["settings"]
-    rows = [[r["case"], fmt(r["ms"], 2), fmt(r["sampled_tokens_per_s"], 0)] for r in report["results"]]
+    rows = [[r["case"], fmt(r["ms"], 2), fmt(r["sampled_tokens_per_s"], 0),
+             "-" if r.get("transformers_ms") is None else fmt(r["transformers_ms"], 2),
+             "-" if r.get("transformers_ms") is None else f"{r['transformers_ms'] / r['ms']:.2f}x"]
+            for r in report["results"]]
     return (f"kiln's Sampler, {s['rows']} rows of {s['vocab']} logits ({s['logits']}), CPU, "
             f"{report['machine']['torch_threads']} threads\n\n"
-            + format_table(["case", "ms a step", "tokens/s of sampling alone"], rows))
+            + format_table(["case", "ms a step", "tokens/s of sampling alone", "transformers ms",
+                            "kiln speedup"], rows))
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -24,18 +24,11 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallba
 
 @functools.cache
 def _byte_level_inverse() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, inverted: the character a byte-level BPE
-    vocabulary writes for each byte (printable bytes as themselves, the others
-    as the characters from U+0100 on) -> that byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
-                 *range(ord("\xae"), ord("\xff") + 1)]
-    chars = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return {c: b for b, c in chars.items()}
+    """GPT-2's byte-level alphabet (the character a byte-level BPE vocabulary
+    writes for each byte), inverted: character -> byte."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 def token_bytes(tokenizer: Any, token_id: int) -> bytes:

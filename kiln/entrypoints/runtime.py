@@ -172,8 +172,9 @@ class Runtime:
     def default_params(self) -> SamplingParams:
         """What a request without SamplingParams gets: the checkpoint's
         generation defaults (temperature, top_p, top_k, min_p,
-        repetition_penalty) over kiln's, as vLLM does; ``startup_report["config"]["sampling_defaults"]`` says where each
-        came from."""
+        repetition_penalty) over kiln's, as vLLM does;
+        ``startup_report["config"]["sampling_defaults"]`` says where each came
+        from."""
         return SamplingParams(**{k: v for k, (v, _) in self.config.sampling_defaults.items()})
 
     def stats(self) -> EngineStats:
