@@ -162,3 +162,9 @@ def test_serve_checks_its_options_before_listening(tmp_path: Path) -> None:
     proc = _kiln(["serve", "random-demo", "--max-num-seqs", "0", "--port", "1"], tmp_path)
     assert proc.returncode == 2 and "max_num_seqs must be a positive integer, got 0" in proc.stderr
     assert "Traceback" not in proc.stderr
+    proc = _kiln(["serve", "random-demo", "--enable-auto-tool-choice", "--port", "1"], tmp_path)
+    assert proc.returncode == 2 and "--enable-auto-tool-choice needs --tool-call-parser" in proc.stderr
+    proc = _kiln(["serve", "random-demo", "--chat-template", str(tmp_path / "none.jinja"), "--port", "1"], tmp_path)
+    assert proc.returncode == 2 and f"--chat-template: {tmp_path / 'none.jinja'} is not a file" in proc.stderr
+    proc = _kiln(["generate", "--model", str(tmp_path / "nope"), "--chat", "--chat-template", "x.j"], tmp_path)
+    assert proc.returncode == 2 and "--chat-template: x.j is not a file" in proc.stderr

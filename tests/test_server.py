@@ -329,6 +329,35 @@ def test_metrics_count_what_was_sent(server, client) -> None:
     assert delta("kiln:prefix_cache_hits_total") > 0
 
 
+TOOLS_TEMPLATE = ("{% if tools %}Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}{{ '\\n' }}{% endif %}"
+                  "{% for m in messages %}{{ m.role }}: {{ m.content }}{{ '\\n' }}{% endfor %}assistant:")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+def test_serve_with_a_chat_template_and_a_tool_call_parser(demo_tokenizer_dir, tmp_path) -> None:
+    """The flags reach the handlers: the given template renders the tools, and
+    a request offering tools is answered (the random model writes no call)."""
+    template = tmp_path / "tools.jinja"
+    template.write_text(TOOLS_TEMPLATE)
+    env = {**os.environ, "KILN_CACHE_DIR": str(demo_tokenizer_dir.parent.parent)}
+    proc, base = start_server([MODEL, "-O0", "--chat-template", str(template), "--tool-call-parser", "hermes"], env)
+    try:
+        messages = [{"role": "user", "content": "Weather in Paris?"}]
+        tok = httpx.post(f"{base}/tokenize", json={"messages": messages, "tools": [WEATHER]}).json()
+        offline = load_eager(demo_tokenizer_dir).tokenizer
+        assert offline.decode(tok["tokens"]) == "Tools: get_weather\nuser: Weather in Paris?\nassistant:"
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        out = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=6,
+                                             temperature=0)
+        assert out.usage.prompt_tokens == tok["count"]
+        assert out.choices[0].finish_reason in ("stop", "length") and out.choices[0].message.tool_calls is None
+        with pytest.raises(openai.BadRequestError, match="tool_choice 'required' is not supported"):
+            client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="required",
+                                           max_tokens=6)
+    finally:
+        stop_server(proc)
+
+
 def test_a_bundle_through_a_read_only_mount_serves(tiny, tmp_path) -> None:
     path, prompts, expected = tiny
     bundle = tmp_path / "bundle"

@@ -21,9 +21,11 @@ __all__ = ["ChatSession", "run_repl"]
 
 
 class ChatSession:
-    def __init__(self, rt: Runtime, params: SamplingParams, system: str | None = None) -> None:
+    def __init__(self, rt: Runtime, params: SamplingParams, system: str | None = None, *,
+                 chat_template: str | None = None) -> None:
         self.rt = rt
         self.params = params
+        self.chat_template = chat_template
         self.system = [{"role": "system", "content": system}] if system else []
         self.turns: list[dict[str, Any]] = []
 
@@ -33,7 +35,7 @@ class ChatSession:
         turns = self.turns + [{"role": "user", "content": text}]
         limit = self.rt.config.max_model_len - min(self.params.max_tokens, self.rt.config.max_model_len // 2)
         while True:
-            ids = render_chat(self.rt.tokenizer, self.system + turns)
+            ids = render_chat(self.rt.tokenizer, self.system + turns, chat_template=self.chat_template)
             if len(ids) <= limit or len(turns) == 1:
                 return ids
             turns = turns[2:]  # the oldest user turn and its answer

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.config import DEFAULT_LEVEL, CUDAGraphMode
+from kiln.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from kiln.quick_exit import exit_now
 
 __all__ = ["main"]
@@ -62,6 +63,8 @@ def _add_model_options(p: argparse.ArgumentParser, levels: list[int]) -> None:
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's")
     p.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"],
                    help="attention kernels (default: $KILN_ATTENTION_BACKEND, else auto: triton on CUDA, torch on CPU)")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -138,11 +141,13 @@ def _load(args: argparse.Namespace) -> Any:
 
 def _generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
+    template = _chat_template(args.chat_template)
     rt = _load(args)
     t0 = time.perf_counter()
     first, n, reason = None, 0, None
     messages = [{"role": "user", "content": args.prompt}]
-    for delta in rt.stream_chat(messages, params) if args.chat else rt.stream(args.prompt, params):
+    for delta in (rt.stream_chat(messages, params, chat_template=template) if args.chat
+                  else rt.stream(args.prompt, params)):
         first = first or time.perf_counter()
         n += len(delta.token_ids)
         reason = delta.finish_reason
@@ -164,12 +169,13 @@ def _chat(args: argparse.Namespace) -> int:
     from kiln.entrypoints.chat_repl import ChatSession, run_repl
 
     params = _sampling_params(args)
+    template = _chat_template(args.chat_template)
     rt = _load(args)
     if sys.stdin.isatty():
         r = rt.startup_report
         print(f"kiln chat: {args.model} ({r['architecture']}, -O{r['optimization_level']}, loaded in "
               f"{r['total_seconds']:.1f}s). Ctrl-C stops an answer; /exit leaves.", file=sys.stderr)
-    return run_repl(ChatSession(rt, params, args.system), verbose=args.verbose)
+    return run_repl(ChatSession(rt, params, args.system, chat_template=template), verbose=args.verbose)
 
 
 def _compile(args: argparse.Namespace) -> int:
@@ -242,14 +248,30 @@ def _age(seconds: float) -> str:
     return f"{seconds:.0f}s ago"
 
 
+def _chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a Jinja file, or (as vLLM takes it) the template itself."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template: {value} is not a file (nor a Jinja template)")
+
+
 def _serve(args: argparse.Namespace) -> int:
     from kiln.engine.loader import parse_options
     from kiln.entrypoints.openai.server import serve
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    template = _chat_template(args.chat_template)
     options = _load_options(args)
     parse_options(args.model, **options)  # a bad option fails now, not after the port opened
     return serve(args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
-                 load_options=options, log_level="info" if args.verbose else "warning")
+                 load_options=options, log_level="info" if args.verbose else "warning", chat_template=template,
+                 tool_call_parser=args.tool_call_parser)
 
 
 def _fetch_demo(args: argparse.Namespace) -> int:
@@ -276,6 +298,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="parse the tool calls a chat answer writes into OpenAI's tool_calls when a request offers "
+                        "tools: hermes (<tool_call> blocks: Qwen2.5, Qwen3, Hermes) or llama3_json (Llama 3.1+)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted as vLLM takes it; --tool-call-parser alone enables tool_choice 'auto'")
     _add_engine_options(p)
     _add_model_options(p, [0, 1, 2, 3])
     p = sub.add_parser("compile", help="prebuild a relocatable bundle: Runtime.load(DIR) then starts warm")

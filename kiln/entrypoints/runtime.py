@@ -295,17 +295,23 @@ class Runtime:
         return self._stream(rid)
 
     def chat(self, messages: Any, params: SamplingParams | None = None, *,
-             chat_template_kwargs: dict[str, Any] | None = None) -> RequestOutput:
+             chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
+             chat_template: str | None = None) -> RequestOutput:
         """Answer a conversation: ``messages`` (``[{"role": "user", "content":
-        "..."}, ...]``) rendered by the tokenizer's chat template with the
-        assistant's generation prompt. Invalid messages raise ValueError naming
-        the index and field."""
-        return self.generate([render_chat(self.tokenizer, messages, chat_template_kwargs)], params)[0]
+        "..."}, ...]``) rendered by the chat template (``chat_template``, else
+        the tokenizer's) with the assistant's generation prompt, ``tools``
+        (OpenAI's function definitions) offered to it. Invalid messages raise
+        ValueError naming the index and field. The answer is text: the calls a
+        model writes in it are parsed by ``kiln.entrypoints.openai.tool_parsers``."""
+        ids = render_chat(self.tokenizer, messages, chat_template_kwargs, tools=tools, chat_template=chat_template)
+        return self.generate([ids], params)[0]
 
     def stream_chat(self, messages: Any, params: SamplingParams | None = None, *,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> Iterator[StreamDelta]:
+                    chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
+                    chat_template: str | None = None) -> Iterator[StreamDelta]:
         """``chat``, streamed as ``stream`` does."""
-        return self.stream(render_chat(self.tokenizer, messages, chat_template_kwargs), params)
+        ids = render_chat(self.tokenizer, messages, chat_template_kwargs, tools=tools, chat_template=chat_template)
+        return self.stream(ids, params)
 
     def _stream(self, rid: int) -> Iterator[StreamDelta]:
         try:

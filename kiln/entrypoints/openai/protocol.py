@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from kiln.engine.request import MAX_LOGPROBS, SamplingParams
 
-__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "StreamOptions", "sampling_params"]
+__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "StreamOptions", "ToolUse", "sampling_params",
+           "tool_use"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 # the request fields that are SamplingParams fields of the same name and meaning
@@ -142,4 +147,57 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
-FinishReason = Literal["stop", "length", "abort"]
+@dataclass(frozen=True)
+class ToolUse:
+    """What a chat request's ``tools`` and ``tool_choice`` ask of the server:
+    the definitions to render into the prompt (None: none), whether to parse
+    calls out of the answer, and whether to keep more than the first call."""
+
+    tools: list[dict[str, Any]] | None = None
+    parse: bool = False
+    parallel: bool = True
+
+
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+def tool_use(req: ChatCompletionRequest, parser: str | None) -> ToolUse:
+    """OpenAI's ``tool_choice`` semantics over ``req.tools``, with the server's
+    tool call parser (``--tool-call-parser``; None: the server parses no
+    calls). ``none`` leaves the tools out of the prompt; ``auto`` (the default
+    when tools are given) offers them and parses the answer, and needs a
+    parser. kiln does not constrain decoding, so ``required`` and a named
+    function are refused (400) rather than silently not enforced."""
+    tools = _check_tools(req.tools) if req.tools is not None else []
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+    if choice == "none":
+        return ToolUse()
+    if not tools:
+        raise APIError(f"tool_choice {choice!r} needs tools", param="tool_choice")
+    if choice != "auto":
+        shown = choice if isinstance(choice, str) else "a named function"
+        raise APIError(f"tool_choice {shown!r:.80} is not supported: kiln does not constrain decoding to a "
+                       "call; use 'auto' (or 'none')", param="tool_choice")
+    if parser is None:
+        raise APIError("tool_choice 'auto' (the default when tools are given) needs the server started with "
+                       "--tool-call-parser (hermes or llama3_json); send tool_choice 'none' to answer without "
+                       "tools", param="tool_choice")
+    return ToolUse(tools, parse=True, parallel=req.parallel_tool_calls is not False)
+
+
+def _check_tools(tools: list[Any]) -> list[dict[str, Any]]:
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise APIError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}, got {tool!r:.80}",
+                           param="tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.match(name):
+            raise APIError(f"tools[{i}].function.name must be 1-64 letters, digits, '_', '.' or '-', got {name!r}",
+                           param="tools")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise APIError(f"tools[{i}].function.parameters must be a JSON Schema object", param="tools")
+    return tools
+
+
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]

@@ -44,6 +44,8 @@ class ServerState:
     load_error: BaseException | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics | None = None
+    chat_template: str | None = None  # --chat-template: replaces the tokenizer's
+    tool_call_parser: str | None = None  # --tool-call-parser: chat answers are parsed for calls
 
     def ready(self) -> OpenAIServing:
         if self.load_error is not None:
@@ -88,7 +90,8 @@ def _start_engine(state: ServerState, loaded: LoadedEngine) -> None:
     metrics = ServerMetrics(state.model_name, lambda: engine.stats, lambda: engine.startup_report)
     metrics.record_startup(loaded.startup_report)
     state.metrics, state.engine = metrics, engine
-    state.serving = OpenAIServing(engine, state.model_name, metrics)
+    state.serving = OpenAIServing(engine, state.model_name, metrics, chat_template=state.chat_template,
+                                  tool_call_parser=state.tool_call_parser)
     logger.info("kiln serve: %s ready in %.1fs", state.model_name, loaded.startup_report["total_seconds"])
 
 
@@ -162,7 +165,8 @@ def _token_routes(app: FastAPI, state: ServerState) -> None:
             from kiln.entrypoints.chat import render_chat
 
             try:
-                ids = render_chat(tokenizer, body["messages"], body.get("chat_template_kwargs"))
+                ids = render_chat(tokenizer, body["messages"], body.get("chat_template_kwargs"),
+                                  tools=body.get("tools"), chat_template=state.chat_template)
             except ValueError as e:
                 raise APIError(str(e), param="messages") from None
         elif isinstance(body.get("prompt"), str):
@@ -203,10 +207,11 @@ def _generation_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def serve(model: str, *, host: str, port: int, served_model_name: str | None, load_options: dict[str, Any],
-          log_level: str = "info") -> int:
+          log_level: str = "info", chat_template: str | None = None, tool_call_parser: str | None = None) -> int:
     """Run the server until interrupted."""
     import uvicorn
 
-    state = ServerState(served_model_name or model, (model, load_options))
+    state = ServerState(served_model_name or model, (model, load_options), chat_template=chat_template,
+                        tool_call_parser=tool_call_parser)
     uvicorn.run(build_app(state), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     return 0

@@ -30,9 +30,12 @@ from kiln.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    ToolUse,
     chat_logprobs,
     sampling_params,
+    tool_use,
 )
+from kiln.entrypoints.openai.tool_parsers import ToolCall, ToolCallStream, parse, tool_parser
 
 __all__ = ["Choice", "OpenAIServing"]
 
@@ -78,10 +81,19 @@ def sse(payload: dict[str, Any] | str) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics) -> None:
+    """The handlers over one engine. ``chat_template`` replaces the tokenizer's
+    (``--chat-template``); ``tool_call_parser`` (``--tool-call-parser``) names
+    the format whose calls chat answers are parsed for when a request offers
+    tools (``tool_parsers.TOOL_PARSERS``)."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics, *,
+                 chat_template: str | None = None, tool_call_parser: str | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
+        self.chat_template = chat_template
+        self.tool_call_parser = tool_call_parser
+        self._tool_stream = tool_parser(tool_call_parser) if tool_call_parser else None
         self.max_model_len = engine.config.max_model_len
         self.defaults = SamplingParams(**{k: v for k, (v, _) in engine.config.sampling_defaults.items()})
 
@@ -240,16 +252,27 @@ class OpenAIServing:
             yield sse({**head, "choices": [], "usage": _usage(choices)})
 
     # ------------------------------------------------------------------ chat
+    def _tool_use(self, req: ChatCompletionRequest) -> ToolUse:
+        return tool_use(req, self.tool_call_parser)
+
+    def _tool_parser(self, use: ToolUse) -> ToolCallStream | None:
+        return self._tool_stream() if use.parse and self._tool_stream is not None else None
+
     def chat_choices(self, req: ChatCompletionRequest) -> list[Choice]:
         self.check_model(req.model)
+        use = self._tool_use(req)
         try:
-            ids = render_chat(self.engine.tokenizer, req.messages, req.chat_template_kwargs)
+            ids = render_chat(self.engine.tokenizer, req.messages, req.chat_template_kwargs, tools=use.tools,
+                              chat_template=self.chat_template)
         except ValueError as e:
             param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
             raise APIError(str(e), param=param) from None
         max_tokens = self._fits(ids, req.max_completion_tokens if req.max_completion_tokens is not None
                                 else req.max_tokens)
         params = sampling_params(req, self.defaults, max_tokens, chat_logprobs(req))
+        if use.parse and req.skip_special_tokens is None:
+            # as vLLM does: some vocabularies make <tool_call> a special token, which the text would leave out
+            params = replace(params, skip_special_tokens=False)
         return self._choices([(ids, None)], params, req.n, req.cache_salt)
 
     def _chat_logprobs(self, lps: list[TokenLogprobs], token_ids: list[int]) -> dict[str, Any]:
@@ -260,32 +283,80 @@ class OpenAIServing:
         return {"content": [{**entry(t, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
                             for t, lp in zip(token_ids, lps)]}
 
+    def _chat_message(self, choice: Choice, use: ToolUse) -> tuple[dict[str, Any], str | None]:
+        """A finished choice's message and finish reason: with tool calls parsed
+        out of its text when the request asked (finish reason ``tool_calls``)."""
+        parser = self._tool_parser(use)
+        if parser is None:
+            return {"role": "assistant", "content": choice.text}, choice.finish_reason
+        parsed = parse(parser, choice.text)
+        calls = parsed.tool_calls if use.parallel else parsed.tool_calls[:1]
+        if not calls:
+            return {"role": "assistant", "content": parsed.content}, choice.finish_reason
+        reason = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
+        return {"role": "assistant", "content": parsed.content, "tool_calls": [c.to_openai() for c in calls]}, reason
+
     async def chat(self, req: ChatCompletionRequest) -> dict[str, Any]:
         created = int(time.time())  # when the request came, not when it finished
+        use = self._tool_use(req)
         choices = await self._gather(self.chat_choices(req))
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": created,
-            "model": self.model_name, "usage": _usage(choices),
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                         "finish_reason": c.finish_reason,
-                         "logprobs": self._chat_logprobs(c.logprobs, c.token_ids)
-                         if c.params.logprobs is not None else None} for c in choices],
-        }
+        out = []
+        for c in choices:
+            message, reason = self._chat_message(c, use)
+            out.append({"index": c.index, "message": message, "finish_reason": reason,
+                        "logprobs": self._chat_logprobs(c.logprobs, c.token_ids)
+                        if c.params.logprobs is not None else None})
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": created,
+                "model": self.model_name, "usage": _usage(choices), "choices": out}
 
     async def chat_stream(self, req: ChatCompletionRequest, choices: list[Choice]) -> AsyncIterator[str]:
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.model_name}
+        use = self._tool_use(req)
+        streams = {c.index: _ChatStream(self._tool_parser(use), use.parallel) for c in choices}
         for c in choices:
             yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}]})
         async for choice, delta in self._stream(choices):
-            if delta.text or delta.token_ids:
-                lps = (self._chat_logprobs(delta.logprobs or [], delta.token_ids)
-                       if choice.params.logprobs is not None else None)
-                yield sse({**head, "choices": [{"index": choice.index, "delta": {"content": delta.text},
-                                                "logprobs": lps, "finish_reason": None}]})
+            lps = (self._chat_logprobs(delta.logprobs or [], delta.token_ids)
+                   if choice.params.logprobs is not None else None)
+            stream = streams[choice.index]
+            for body in stream.deltas(delta, keep_empty=lps is not None):
+                yield sse({**head, "choices": [{"index": choice.index, "delta": body, "logprobs": lps,
+                                                "finish_reason": None}]})
+                lps = None  # a step's logprobs go with its first chunk
             if delta.finished:
+                reason = "tool_calls" if stream.calls and delta.finish_reason == "stop" else delta.finish_reason
                 yield sse({**head, "choices": [{"index": choice.index, "delta": {}, "logprobs": None,
-                                                "finish_reason": delta.finish_reason}]})
+                                                "finish_reason": reason}]})
         if req.stream_options is not None and req.stream_options.include_usage:
             yield sse({**head, "choices": [], "usage": _usage(choices)})
+
+
+class _ChatStream:
+    """One streamed choice's content deltas, through a tool call parser when
+    the request parses calls: text that could begin a call is held back, and
+    each call goes out whole, as one ``tool_calls`` delta with its index."""
+
+    def __init__(self, parser: ToolCallStream | None, parallel: bool) -> None:
+        self.parser = parser
+        self.parallel = parallel
+        self.calls = 0
+
+    def deltas(self, delta: StreamDelta, keep_empty: bool) -> list[dict[str, Any]]:
+        """The delta bodies ``delta`` gives; with ``keep_empty`` (logprobs asked
+        for) an empty content delta for tokens the parser holds back, to carry
+        their logprobs."""
+        if self.parser is None:
+            return [{"content": delta.text}] if delta.text or delta.token_ids else []
+        items = self.parser.feed(delta.text) + (self.parser.finish() if delta.finished else [])
+        out: list[dict[str, Any]] = []
+        for item in items:
+            if isinstance(item, str):
+                out.append({"content": item})
+            elif self.parallel or not self.calls:  # parallel_tool_calls=false: the first call only
+                out.append({"tool_calls": [{"index": self.calls, **item.to_openai()}]})
+                self.calls += 1
+        if not out and keep_empty and delta.token_ids:
+            out.append({"content": ""})
+        return out
