@@ -19,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kiln import SamplingParams
+from kiln.engine.structured import JsonObjectState
 from tests.conftest import fresh_env, kiln_cli, load_eager
 
 MODEL = "random-demo"
@@ -327,6 +328,25 @@ def test_metrics_count_what_was_sent(server, client) -> None:
     # the two requests share their prompt: the second finds the first's full blocks
     assert delta("kiln:prefix_cache_queries_total") == sum(o.usage.prompt_tokens for o in out)
     assert delta("kiln:prefix_cache_hits_total") > 0
+
+
+def test_json_object_responses_are_json(client) -> None:
+    """The random model writes no JSON of its own: every token it picks here is
+    kept to an object, which closes (then EOS) or runs out of tokens open."""
+    for extra in ({"temperature": 0}, {"temperature": 1.0, "seed": 7}):
+        out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "JSON please"}],
+                                             max_tokens=48, response_format={"type": "json_object"}, **extra)
+        text, reason = out.choices[0].message.content, out.choices[0].finish_reason
+        state = JsonObjectState()
+        assert state.feed(text.encode("utf-8")), text
+        if reason == "stop":
+            assert state.done and isinstance(json.loads(text), dict)
+        else:
+            assert reason == "length" and out.usage.completion_tokens == 48
+    with pytest.raises(openai.BadRequestError, match="json_schema is not supported"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "x", "schema": {}}})
 
 
 TOOLS_TEMPLATE = ("{% if tools %}Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}{{ '\\n' }}{% endif %}"

@@ -9,7 +9,7 @@ decide who steps the engine when.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 import torch
@@ -19,6 +19,7 @@ from kiln.engine.outputs import EngineOutputs, EngineStats
 from kiln.engine.request import Request, RequestId, SamplingParams
 from kiln.engine.runner import ModelRunner
 from kiln.engine.scheduler import Scheduler
+from kiln.engine.structured import TokenConstraint
 
 __all__ = ["Engine", "RequestNotFoundError"]
 
@@ -35,7 +36,11 @@ class Engine:
     calls it (the front-ends hold a lock or run one engine thread)."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, *, vocab_size: int,
-                 eos_token_ids: tuple[int, ...], background: BackgroundCompile | None = None) -> None:
+                 eos_token_ids: tuple[int, ...], background: BackgroundCompile | None = None,
+                 vocab_bytes: Callable[[], Sequence[bytes | None]] | None = None) -> None:
+        """``vocab_bytes`` gives each token id's bytes (``detokenizer.vocab_bytes``),
+        called once, when the first structured request comes; None: the model
+        has no tokenizer, and structured requests are refused."""
         self.scheduler = scheduler
         self.runner = runner
         # a build of the compiled pieces still running; they are swapped in between two steps
@@ -44,6 +49,8 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = scheduler.max_model_len
         self._generated_tokens = 0
+        self._vocab_bytes = vocab_bytes
+        self._vocab: Sequence[bytes | None] | None = None
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, index: int | None = None) -> None:
         """Raise ValueError naming the prompt (``prompt {index}``) or the field
@@ -61,6 +68,9 @@ class Engine:
         if bad is not None:
             field = "SamplingParams" if index is None else f"params[{index}]"
             raise ValueError(f"{field}.logit_bias: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if params.structured is not None and self._vocab_bytes is None:
+            field = "SamplingParams" if index is None else f"params[{index}]"
+            raise ValueError(f"{field}.structured={params.structured!r} needs the model's tokenizer, and it has none")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"{where} has {len(prompt_token_ids)} tokens; max_model_len={self.max_model_len} "
@@ -77,7 +87,15 @@ class Engine:
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
         self.check_request(prompt_token_ids, params)
         self.scheduler.add(Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
-                                   cache_salt=cache_salt))
+                                   cache_salt=cache_salt, constraint=self._constraint(params)))
+
+    def _constraint(self, params: SamplingParams) -> TokenConstraint | None:
+        if params.structured is None or self._vocab_bytes is None:
+            return None
+        if self._vocab is None:
+            self._vocab = self._vocab_bytes()
+        ends = (*(() if params.ignore_eos else self.eos_token_ids), *(params.stop_token_ids or ()))
+        return TokenConstraint(self._vocab, ends)
 
     def abort(self, request_ids: Iterable[RequestId]) -> None:
         """Finish these requests now (unknown or finished ones are ignored); their

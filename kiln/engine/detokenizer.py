@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["IncrementalDetokenizer", "token_bytes"]
+__all__ = ["IncrementalDetokenizer", "token_bytes", "vocab_bytes"]
 
 _CONTEXT_TOKENS = 6
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
@@ -49,6 +49,33 @@ def token_bytes(tokenizer: Any, token_id: int) -> bytes:
         if piece and all(c in inverse for c in piece):
             return bytes(inverse[c] for c in piece)
     return text.encode("utf-8")
+
+
+def vocab_bytes(tokenizer: Any, vocab_size: int) -> list[bytes | None]:
+    """Each token id's bytes as it adds them to a text in context (None for
+    special tokens and ids past the tokenizer's vocabulary), for constraints
+    that read the text as bytes (``kiln.engine.structured``). Taken from the
+    vocabulary pieces, not from decoding tokens one by one: a SentencePiece
+    token decoded alone loses its leading space. Byte-level vocabularies map
+    each character back to its byte; SentencePiece ones turn U+2581 into a
+    space and ``<0xNN>`` pieces into their byte."""
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    special |= {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+    inverse = _byte_level_inverse()
+    probe = tokenizer.convert_ids_to_tokens(tokenizer.encode(" {\n", add_special_tokens=False))
+    byte_level = bool(probe) and all(isinstance(p, str) and all(c in inverse for c in p) for p in probe)
+    pieces = tokenizer.convert_ids_to_tokens(list(range(min(vocab_size, len(tokenizer)))))
+    out: list[bytes | None] = []
+    for i, piece in enumerate(pieces):
+        if i in special or not isinstance(piece, str) or not piece:
+            out.append(None)
+        elif byte_level and all(c in inverse for c in piece):
+            out.append(bytes(inverse[c] for c in piece))
+        elif (byte := _BYTE_PIECE.fullmatch(piece)) is not None:
+            out.append(bytes([int(byte.group(1), 16)]))
+        else:
+            out.append(piece.replace("\u2581", " ").encode("utf-8"))
+    return out + [None] * (vocab_size - len(out))
 
 
 def _decoder(tokenizer: Any, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:

@@ -43,6 +43,7 @@ from kiln.engine.config import (
     sampling_defaults,
 )
 from kiln.engine.core import Engine
+from kiln.engine.detokenizer import vocab_bytes
 from kiln.engine.runner import CaptureReport, ModelRunner
 from kiln.engine.scheduler import Scheduler
 from kiln.graphs import CpuCallGraphs, CUDAGraphDispatcher, GraphCapturer, NativeReplay, TorchCUDAGraphs
@@ -388,7 +389,7 @@ def allocate_kv_cache(config: ResolvedConfig, num_blocks: int) -> list[torch.Ten
 
 # ------------------------------------------------------------------ 7. engine
 def build_engine(config: ResolvedConfig, model: CausalLM, compiled: Any, kv_caches: list[torch.Tensor],
-                 background: BackgroundCompile | None = None) -> Engine:
+                 background: BackgroundCompile | None = None, tokenizer: Any = None) -> Engine:
     num_blocks = kv_caches[0].shape[1]
     kv = KVCacheManager(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
     scheduler = Scheduler(kv, config.max_num_seqs,
@@ -398,8 +399,9 @@ def build_engine(config: ResolvedConfig, model: CausalLM, compiled: Any, kv_cach
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
         max_model_len=config.max_model_len, device=config.device, seed=config.seed, compiled=compiled,
     )
-    return Engine(scheduler, runner, vocab_size=config.model.vocab_size, eos_token_ids=config.eos_token_ids,
-                  background=background)
+    vocab = config.model.vocab_size
+    return Engine(scheduler, runner, vocab_size=vocab, eos_token_ids=config.eos_token_ids, background=background,
+                  vocab_bytes=functools.partial(vocab_bytes, tokenizer, vocab) if tokenizer is not None else None)
 
 
 # ------------------------------------------------------------------ 8. CUDA graphs
@@ -649,7 +651,7 @@ def load_engine(path: "str | Path", **kwargs: Any) -> LoadedEngine:
             reordered = compiled.model.reorder_weights(config.max_num_seqs)
     with phases("allocate_kv_cache"):
         kv_caches = allocate_kv_cache(config, size_kv_cache(config, model, compiled and compiled.model))
-    engine = build_engine(config, model, compiled and compiled.model, kv_caches, background)
+    engine = build_engine(config, model, compiled and compiled.model, kv_caches, background, source.tokenizer)
     with phases("cudagraph_capture"):
         mode, capture = capture_graphs(engine.runner, config) if background is None else (CUDAGraphMode.NONE,
                                                                                         CaptureReport())

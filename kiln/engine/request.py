@@ -5,7 +5,10 @@ from __future__ import annotations
 import enum
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import TYPE_CHECKING, Any, Hashable
+
+if TYPE_CHECKING:
+    from kiln.engine.structured import TokenConstraint
 
 __all__ = ["GREEDY_EPSILON", "RequestId", "SamplingParams", "Request", "RequestStatus"]
 
@@ -53,6 +56,8 @@ class SamplingParams:
     are not sampled, stop strings not looked for), as in vLLM. ``logprobs=k``
     returns each new token's log-probability and the ``k`` most likely ones.
     The text leaves special tokens out unless ``skip_special_tokens`` is False.
+    ``structured="json_object"`` keeps the output to a JSON object
+    (``kiln.engine.structured``; the model needs a tokenizer).
     """
 
     max_tokens: int = 16
@@ -72,6 +77,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured: str | None = None  # "json_object": the output is kept to a JSON object
 
     def validate(self, where: str = "SamplingParams") -> None:
         """Raise ValueError naming the first invalid field."""
@@ -100,6 +106,8 @@ class SamplingParams:
         ids = self.stop_token_ids
         if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids)):
             raise ValueError(f"{where}.stop_token_ids must be a list of integers, got {ids!r}")
+        if self.structured not in (None, "json_object"):
+            raise ValueError(f"{where}.structured must be None or 'json_object', got {self.structured!r}")
         self._validate_sampler_options(where)
 
     def _validate_sampler_options(self, where: str) -> None:
@@ -177,6 +185,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    # the automaton of a structured request (kiln.engine.structured.TokenConstraint): advanced with each token
+    constraint: TokenConstraint | None = None
 
     @property
     def num_tokens(self) -> int:

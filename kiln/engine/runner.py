@@ -127,8 +127,9 @@ class ModelRunner:
         sampling = [s for s in sched.scheduled if s.sampling is not None]
         params: list[SamplingParams] = [s.sampling for s in sampling]  # type: ignore[misc]
         suppressed = [s.suppressed for s in sampling]
+        constraints = [s.constraint for s in sampling]
         # a step of greedy rows alone: their tokens without the fp32 logits (kiln.compiler.greedy_head)
-        argmax = self.greedy_tokens is not None and Sampler.argmax_only(params, suppressed)
+        argmax = self.greedy_tokens is not None and Sampler.argmax_only(params, suppressed, constraints)
         tokens = self.greedy_tokens(rows) if argmax else None
         if tokens is not None:
             t2 = time.perf_counter()
@@ -137,7 +138,7 @@ class ModelRunner:
             logits = self.compute_logits(rows)
             t2 = time.perf_counter()
             sampled = self.sampler(logits, params, [s.num_output_tokens for s in sampling],
-                                   [s.history for s in sampling], suppressed)
+                                   [s.history for s in sampling], suppressed, constraints)
         t3 = time.perf_counter()
         st = self.stats
         st.steps += 1

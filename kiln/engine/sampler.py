@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kiln.engine.request import SamplingParams
+from kiln.engine.structured import TokenConstraint
 
 __all__ = ["NUCLEUS_CANDIDATES", "NUCLEUS_STAGES", "Filters", "History", "Nucleus", "Sampler", "SamplerOutput",
            "TokenLogprobs", "apply_logit_changes", "apply_min_p", "apply_top_k_top_p", "argmax_rows", "draw",
@@ -439,22 +440,25 @@ class Sampler:
         self.workspace = Workspace()
 
     @staticmethod
-    def argmax_only(params: list[SamplingParams], suppressed: Sequence[Sequence[int]] | None = None) -> bool:
+    def argmax_only(params: list[SamplingParams], suppressed: Sequence[Sequence[int]] | None = None,
+                    constraints: Sequence[TokenConstraint | None] | None = None) -> bool:
         """Whether these rows' tokens are each row's argmax of the raw logits
         and nothing else: all greedy, none asking for logprobs, none with a
-        logit bias, a penalty or tokens it may not pick yet."""
+        logit bias, a penalty, tokens it may not pick yet or a structure to keep."""
         return (all(p.greedy and p.logprobs is None and not p.changes_logits for p in params)
-                and not any(suppressed or ()))
+                and not any(suppressed or ()) and not any(c is not None for c in constraints or ()))
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
                  histories: Sequence[History | None] | None = None,
-                 suppressed: Sequence[Sequence[int]] | None = None) -> SamplerOutput:
+                 suppressed: Sequence[Sequence[int]] | None = None,
+                 constraints: Sequence[TokenConstraint | None] | None = None) -> SamplerOutput:
         """One token per row of ``logits`` ([R, V], any float dtype). ``steps[i]``
         is how many tokens row i's request has produced so far, ``histories[i]``
         its prompt and output tokens (needed where its penalties read them),
-        ``suppressed[i]`` the tokens it may not pick this step. Log-probabilities
-        cost nothing unless a row asks for them."""
-        if self.argmax_only(params, suppressed):
+        ``suppressed[i]`` the tokens it may not pick this step, ``constraints[i]``
+        the automaton of a structured request (its row keeps only the tokens it
+        allows). Log-probabilities cost nothing unless a row asks for them."""
+        if self.argmax_only(params, suppressed, constraints):
             # the largest of bf16 values is the largest of their fp32 copies, which
             # a batch-1 bf16 decode step of the demo model made in 0.08 ms
             tokens = self.native_argmax(logits) if self.native_argmax is not None else None
@@ -462,6 +466,11 @@ class Sampler:
         logits = logits.float()
         if any(p.changes_logits for p in params) or any(suppressed or ()):
             logits = self._change_logits(logits, params, histories, suppressed)
+        elif any(c is not None for c in constraints or ()):
+            logits = self.workspace.get(0, logits).copy_(logits)  # masked in place: never the caller's
+        for row, constraint in enumerate(constraints or ()):
+            if constraint is not None:
+                constraint.mask(logits[row])
         if all(p.greedy for p in params):
             tokens, processed = argmax_rows(logits), lambda: logits
         else:

@@ -10,7 +10,8 @@ back to the cache (still findable) and it waits to recompute its prompt and
 output so far, losing nothing.
 
 What it hands the runner is plain data (``ScheduledRequest``): token ids,
-positions, block ids and sampling options, never a ``Request``.
+positions, block ids and sampling options, never a ``Request``; a structured
+request's automaton goes with them, for the sampler to read.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from kiln.engine.kv_cache_manager import KVCacheManager
 from kiln.engine.outputs import EngineOutput
 from kiln.engine.request import Request, RequestId, RequestStatus, SamplingParams
+from kiln.engine.structured import TokenConstraint
 
 __all__ = ["ScheduledRequest", "SchedulerOutput", "Scheduler"]
 
@@ -41,6 +43,8 @@ class ScheduledRequest:
     history: tuple[list[int], list[int]] | None = None
     # token ids the sampler must not pick: EOS and the stop token ids, before the request's min_tokens
     suppressed: tuple[int, ...] = ()
+    # what the sampler may pick of a structured request (Request.constraint); read only
+    constraint: TokenConstraint | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -67,7 +71,8 @@ def _schedule(req: Request, n: int) -> ScheduledRequest:
     if samples and len(req.output_token_ids) < p.min_tokens:
         suppressed = (*(() if p.ignore_eos else req.eos_token_ids), *(p.stop_token_ids or ()))
     return ScheduledRequest(req.request_id, req.tokens(start, start + n), start, req.block_ids,
-                            p if samples else None, len(req.output_token_ids), history, suppressed)
+                            p if samples else None, len(req.output_token_ids), history, suppressed,
+                            req.constraint if samples else None)
 
 
 class Scheduler:
@@ -154,6 +159,8 @@ class Scheduler:
                 continue
             token = next(tokens)
             req.output_token_ids.append(token)
+            if req.constraint is not None:
+                req.constraint.advance(token)
             reason = self._stop_reason(req, token)
             if reason is not None:
                 self.finish(req.request_id, reason)

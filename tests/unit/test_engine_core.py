@@ -48,12 +48,13 @@ def expected(prompt: list[int], n: int) -> list[int]:
 
 
 def make_engine(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 32,
-                max_model_len: int = 64, eos: tuple[int, ...] = (), caching: bool = True) -> Engine:
+                max_model_len: int = 64, eos: tuple[int, ...] = (), caching: bool = True,
+                vocab_bytes=None) -> Engine:
     runner = ModelRunner(NextTokenModel(), [], TorchAttentionBackend(), block_size=block_size,
                          max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                          device=torch.device("cpu"))
     scheduler = Scheduler(KVCacheManager(num_blocks, block_size, caching), max_num_seqs, budget, max_model_len)
-    return Engine(scheduler, runner, vocab_size=VOCAB, eos_token_ids=eos)
+    return Engine(scheduler, runner, vocab_size=VOCAB, eos_token_ids=eos, vocab_bytes=vocab_bytes)
 
 
 def run(engine: Engine) -> dict:

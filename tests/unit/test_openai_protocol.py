@@ -44,3 +44,22 @@ def test_fields_kiln_does_not_implement_are_served_and_logged(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="kiln.entrypoints.openai.protocol"):
         sampling_params(CompletionRequest(prompt="hi"), SamplingParams(), 4, None)
     assert not caplog.text
+
+
+def test_response_format_json_object_keeps_the_output_to_json() -> None:
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                                 response_format={"type": "json_object"})
+    assert sampling_params(chat, SamplingParams(), 4, None).structured == "json_object"
+    text = CompletionRequest(prompt="hi", response_format={"type": "text"})
+    assert sampling_params(text, SamplingParams(), 4, None).structured is None
+
+
+@pytest.mark.parametrize("fmt, match", [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}, "json_schema is not supported"),
+    ({"type": "yaml"}, "response_format.type must be 'text' or 'json_object', got 'yaml'"),
+    ({}, "got None"),
+])
+def test_response_formats_kiln_cannot_keep_are_a_400(fmt, match) -> None:
+    with pytest.raises(APIError, match=match) as e:
+        sampling_params(CompletionRequest(prompt="hi", response_format=fmt), SamplingParams(), 4, None)
+    assert e.value.status == 400 and e.value.param == "response_format"

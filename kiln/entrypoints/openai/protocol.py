@@ -69,6 +69,7 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None  # requests with different salts never share cached KV blocks
+    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object"}
 
 
 class CompletionRequest(_SamplingFields):
@@ -113,6 +114,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, defaults: Sa
     given = {k: getattr(req, k) for k in _SAMPLING_FIELDS if getattr(req, k) is not None}
     if req.logit_bias:
         given["logit_bias"] = _logit_bias(req.logit_bias)
+    if req.response_format is not None:
+        given["structured"] = _structured(req.response_format)
     params = SamplingParams(**{**vars(defaults), **given, "max_tokens": max_tokens, "ignore_eos": req.ignore_eos,
                                "logprobs": logprobs})
     try:
@@ -121,6 +124,22 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, defaults: Sa
         named = re.match(r"request\.(\w+)", str(e))
         raise APIError(str(e).replace("request.", "", 1), param=named.group(1) if named else None) from None
     return params
+
+
+def _structured(response_format: dict[str, Any]) -> str | None:
+    """OpenAI's ``response_format`` as ``SamplingParams.structured``: ``text``
+    is none, ``json_object`` keeps the output to a JSON object. A JSON Schema
+    (``json_schema``) is refused: kiln's automaton knows JSON, not schemas, and
+    an answer that ignored the schema would be worse than an error."""
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json_object"
+    if kind == "json_schema":
+        raise APIError("response_format json_schema is not supported: kiln keeps output to any JSON object "
+                       "(type 'json_object'), not to a schema", param="response_format")
+    raise APIError(f"response_format.type must be 'text' or 'json_object', got {kind!r}", param="response_format")
 
 
 def _logit_bias(bias: dict[str, Any]) -> dict[int, float]:

@@ -1,0 +1,181 @@
+"""Structured output (``SamplingParams(structured="json_object")``): the JSON
+automaton against Python's json module on valid, broken and truncated texts,
+the token mask, and requests through the engine core that end as JSON objects."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from kiln.engine.request import SamplingParams
+from kiln.engine.structured import CANDIDATES, MAX_WHITESPACE, JsonObjectState, TokenConstraint
+from tests.unit.test_engine_core import VOCAB, make_engine, run
+
+
+def _accepts(text: str) -> tuple[bool, bool]:
+    """(every byte accepted, the object closed)."""
+    state = JsonObjectState()
+    ok = state.feed(text.encode("utf-8"))
+    return ok, ok and state.done
+
+
+def _is_json_object(text: str) -> bool:
+    def no_constants(name: str):
+        raise ValueError(name)  # Python's json takes NaN and Infinity; JSON does not
+
+    try:
+        return isinstance(json.loads(text, parse_constant=no_constants), dict)
+    except ValueError:
+        return False
+
+
+def _random_value(rng: random.Random, depth: int = 0):
+    kind = rng.choice(["obj", "arr", "str", "int", "float", "lit"] if depth < 3 else ["str", "int", "float", "lit"])
+    if kind == "obj":
+        return {"".join(rng.choice("ab\"\\é\n ") for _ in range(rng.randint(0, 4))): _random_value(rng, depth + 1)
+                for _ in range(rng.randint(0, 3))}
+    if kind == "arr":
+        return [_random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    if kind == "str":
+        return "".join(rng.choice("xy \"\\/\t\u00e9\u20ac\U0001f600") for _ in range(rng.randint(0, 5)))
+    if kind == "int":
+        return rng.randint(-10**6, 10**6)
+    if kind == "float":
+        return rng.choice([0.5, -1e-7, 3.25e21, -0.0, 12.0])
+    return rng.choice([True, False, None])
+
+
+def _random_object(rng: random.Random) -> str:
+    obj = {"k": _random_value(rng), "v": _random_value(rng)}
+    indent = rng.choice([None, 2])
+    return json.dumps(obj, ensure_ascii=rng.random() < 0.5, indent=indent)
+
+
+def test_valid_objects_are_accepted_and_closed_and_their_prefixes_are_open() -> None:
+    rng = random.Random(0)
+    for _ in range(300):
+        text = _random_object(rng)
+        assert _accepts(text) == (True, True), text
+        cut = rng.randint(0, len(text) - 1)
+        assert _accepts(text[:cut]) == (True, False), text[:cut]
+    for text in ('{}', ' {"a": [] }', '{"a":[1,-0,0.5e+3,2E-2,true,false,null,{"b":{}}]}', '{"\\u00e9\\n": "\\""}'):
+        assert _accepts(text) == (True, True), text
+
+
+@pytest.mark.parametrize("text", [
+    '[1]', '"a"', '1', 'true', '{"a"}', '{"a":}', '{"a":1,}', '{,}', '{"a":1 "b":2}', '{"a":[1,]}', '{"a":[,1]}',
+    '{"a":01}', '{"a":1.}', '{"a":.5}', '{"a":1e}', '{"a":-}', '{"a":+1}', '{"a":tru}', '{"a":nul1}', "{'a':1}",
+    '{"a":"\\x"}', '{"a":"\\u12g4"}', '{"a":"\t"}', '{"a":1}}', '{"a":1]', '{"a":[1}', '{"a":NaN}', '{a:1}',
+    '{"a":1} x', '{"a":1}{}',
+])
+def test_invalid_texts_are_refused(text: str) -> None:
+    assert not _is_json_object(text) or text == '{"a":1}{}'  # the oracle agrees, bar a second object
+    assert _accepts(text)[1] is False
+
+
+def test_the_automaton_agrees_with_json_on_mutated_objects() -> None:
+    """Random single-byte edits of valid objects: a complete text is accepted
+    and closed exactly when Python's json reads it as an object."""
+    rng = random.Random(1)
+    alphabet = '{}[]:,"\\ 0123456789.eE+-truefalsn'
+    for _ in range(3000):
+        text = _random_object(rng)
+        i = rng.randrange(len(text))
+        edit = rng.choice(["delete", "insert", "replace"])
+        c = rng.choice(alphabet)
+        text = text[:i] + (c if edit != "delete" else "") + text[i + (edit != "insert"):]
+        assert _accepts(text)[1] == _is_json_object(text), repr(text)
+
+
+def test_whitespace_runs_are_capped() -> None:
+    assert _accepts("{" + " " * MAX_WHITESPACE + "}") == (True, True)
+    assert _accepts("{" + " " * (MAX_WHITESPACE + 1))[0] is False
+    assert _accepts('{"a": "' + " " * 200 + '"}') == (True, True)  # inside a string it is text
+
+
+# ---------------------------------------------------------------- the token mask
+
+TOY = [b"{", b"}", b'"k"', b":", b"1", b",", b" ", b"[", b"]", None, b"x", b"{}", b'"', b"a", b"1}"]
+EOS = 9
+
+
+def test_the_mask_keeps_the_allowed_candidates_and_then_only_the_end() -> None:
+    c = TokenConstraint(TOY, ends=[EOS])
+    row = torch.arange(len(TOY), dtype=torch.float32)  # the later a token, the likelier
+    c.mask(row)
+    allowed = {i for i, v in enumerate(row.tolist()) if v != float("-inf")}
+    assert allowed == {0, 6, 11}  # "{", " ", "{}": the only ways to begin an object
+    assert row[11] == 11.0  # kept values are the logits
+    for token in (0, 2, 3, 14):  # {"k":1}
+        assert c.allows(token)
+        c.advance(token)
+    assert c.state.done and c.allows(EOS) and not c.allows(0) and not c.allows(6)
+    row = torch.zeros(len(TOY))
+    c.mask(row)
+    assert {i for i, v in enumerate(row.tolist()) if v != float("-inf")} == {EOS}
+    endless = TokenConstraint(TOY, ends=[])  # ignore_eos: whitespace may follow the object
+    for token in (11, 6):
+        endless.advance(token)
+    assert endless.state.done and endless.allows(6) and not endless.allows(0)
+
+
+def test_when_no_candidate_is_valid_the_vocabulary_is_searched() -> None:
+    vocab = [b"x"] * (CANDIDATES * 3) + [b"{"]  # the one valid token is the least likely
+    row = torch.linspace(10, 0, len(vocab))
+    c = TokenConstraint(vocab, ends=[])
+    c.mask(row)
+    assert torch.isfinite(row).nonzero().flatten().tolist() == [len(vocab) - 1]
+
+
+def test_a_row_nothing_can_continue_is_left_as_it_was(caplog) -> None:
+    c = TokenConstraint([b"x", b"y"], ends=[])
+    row = torch.tensor([1.0, 2.0])
+    c.mask(row)
+    assert row.tolist() == [1.0, 2.0] and "no token can continue" in caplog.text
+
+
+# ---------------------------------------------------------------- through the engine
+
+# the stub model's vocabulary as bytes: everything it would say freely is "x", never JSON
+ENGINE_VOCAB = [b"x"] * VOCAB
+for _i, _b in enumerate([b"{", b"}", b'"k"', b":", b"1", b",", b" ", b"[", b"]"]):
+    ENGINE_VOCAB[_i] = _b
+ENGINE_VOCAB[31] = None  # EOS
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=40, temperature=0, structured="json_object"),
+    SamplingParams(max_tokens=40, temperature=1.0, seed=3, structured="json_object"),
+    SamplingParams(max_tokens=40, temperature=0.7, top_p=0.9, seed=5, structured="json_object"),
+])
+def test_structured_requests_end_as_json_objects(params) -> None:
+    engine = make_engine(eos=(31,), vocab_bytes=lambda: ENGINE_VOCAB)
+    engine.add_request("json", [10, 11, 12], params)
+    engine.add_request("free", [10, 11, 12], SamplingParams(max_tokens=8, temperature=0))  # same batch, unconstrained
+    results = run(engine)
+    tokens, reason = results["json"]
+    if reason == "stop":
+        assert tokens[-1] == 31
+        assert _is_json_object(b"".join(ENGINE_VOCAB[t] for t in tokens[:-1]).decode())
+    else:  # the budget ran out first: an open object, every token of it valid
+        assert reason == "length" and _accepts(b"".join(ENGINE_VOCAB[t] for t in tokens).decode()) == (True, False)
+    assert any(ENGINE_VOCAB[t] == b"x" for t in results["free"][0])  # the other row was left alone
+
+
+def test_greedy_structured_output_is_the_likeliest_valid_token_each_step() -> None:
+    engine = make_engine(eos=(31,), vocab_bytes=lambda: ENGINE_VOCAB)
+    engine.add_request(0, [10, 11, 12], SamplingParams(max_tokens=6, temperature=0, structured="json_object"))
+    tokens, _ = run(engine)[0]
+    # the model's one-hot logits tie every other token at 0: topk's order among them decides, but each is valid
+    assert _accepts(b"".join(ENGINE_VOCAB[t] for t in tokens if t != 31).decode())[0]
+
+
+def test_structured_requests_need_a_tokenizer_and_a_known_format() -> None:
+    engine = make_engine()
+    with pytest.raises(ValueError, match=r"SamplingParams.structured='json_object' needs the model's tokenizer"):
+        engine.add_request(0, [1, 2], SamplingParams(structured="json_object"))
+    with pytest.raises(ValueError, match=r"structured must be None or 'json_object', got 'yaml'"):
+        SamplingParams(structured="yaml").validate()
