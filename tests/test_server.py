@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kiln import SamplingParams
-from kiln.engine.structured import JsonObjectState
+from kiln.engine.structured import JsonAutomaton, structured_shape
 from tests.conftest import fresh_env, kiln_cli, load_eager
 
 MODEL = "random-demo"
@@ -337,16 +337,28 @@ def test_json_object_responses_are_json(client) -> None:
         out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "JSON please"}],
                                              max_tokens=48, response_format={"type": "json_object"}, **extra)
         text, reason = out.choices[0].message.content, out.choices[0].finish_reason
-        state = JsonObjectState()
+        state = JsonAutomaton(structured_shape("json_object"))
         assert state.feed(text.encode("utf-8")), text
         if reason == "stop":
             assert state.done and isinstance(json.loads(text), dict)
         else:
             assert reason == "length" and out.usage.completion_tokens == 48
-    with pytest.raises(openai.BadRequestError, match="json_schema is not supported"):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"enum": ["a", "b"]}},
+              "required": ["n", "s"]}
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "JSON please"}],
+                                         max_tokens=48, temperature=0,
+                                         response_format={"type": "json_schema",
+                                                          "json_schema": {"name": "x", "schema": schema}})
+    text = out.choices[0].message.content
+    state = JsonAutomaton(structured_shape(schema))
+    assert state.feed(text.encode("utf-8")), text
+    if out.choices[0].finish_reason == "stop":
+        value = json.loads(text)
+        assert set(value) == {"n", "s"} and isinstance(value["n"], int) and value["s"] in ("a", "b")
+    with pytest.raises(openai.BadRequestError, match="schema.not is not supported"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
                                        response_format={"type": "json_schema",
-                                                        "json_schema": {"name": "x", "schema": {}}})
+                                                        "json_schema": {"name": "x", "schema": {"not": {}}}})
 
 
 TOOLS_TEMPLATE = ("{% if tools %}Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}{{ '\\n' }}{% endif %}"

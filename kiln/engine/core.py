@@ -19,7 +19,7 @@ from kiln.engine.outputs import EngineOutputs, EngineStats
 from kiln.engine.request import Request, RequestId, SamplingParams
 from kiln.engine.runner import ModelRunner
 from kiln.engine.scheduler import Scheduler
-from kiln.engine.structured import TokenConstraint
+from kiln.engine.structured import TokenConstraint, structured_shape
 
 __all__ = ["Engine", "RequestNotFoundError"]
 
@@ -95,7 +95,7 @@ class Engine:
         if self._vocab is None:
             self._vocab = self._vocab_bytes()
         ends = (*(() if params.ignore_eos else self.eos_token_ids), *(params.stop_token_ids or ()))
-        return TokenConstraint(self._vocab, ends)
+        return TokenConstraint(self._vocab, ends, structured_shape(params.structured))
 
     def abort(self, request_ids: Iterable[RequestId]) -> None:
         """Finish these requests now (unknown or finished ones are ignored); their

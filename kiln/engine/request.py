@@ -56,8 +56,9 @@ class SamplingParams:
     are not sampled, stop strings not looked for), as in vLLM. ``logprobs=k``
     returns each new token's log-probability and the ``k`` most likely ones.
     The text leaves special tokens out unless ``skip_special_tokens`` is False.
-    ``structured="json_object"`` keeps the output to a JSON object
-    (``kiln.engine.structured``; the model needs a tokenizer).
+    ``structured="json_object"`` keeps the output to a JSON object, a dict
+    (a JSON Schema) to a value of its shape (``kiln.engine.structured``; the
+    model needs a tokenizer).
     """
 
     max_tokens: int = 16
@@ -77,7 +78,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    structured: str | None = None  # "json_object": the output is kept to a JSON object
+    structured: str | dict[str, Any] | None = None  # "json_object", or a JSON Schema: the output is kept to it
 
     def validate(self, where: str = "SamplingParams") -> None:
         """Raise ValueError naming the first invalid field."""
@@ -106,8 +107,13 @@ class SamplingParams:
         ids = self.stop_token_ids
         if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids)):
             raise ValueError(f"{where}.stop_token_ids must be a list of integers, got {ids!r}")
-        if self.structured not in (None, "json_object"):
-            raise ValueError(f"{where}.structured must be None or 'json_object', got {self.structured!r}")
+        if self.structured is not None:
+            from kiln.engine.structured import structured_shape
+
+            try:
+                structured_shape(self.structured)
+            except ValueError as e:
+                raise ValueError(f"{where}.structured: {e}") from None
         self._validate_sampler_options(where)
 
     def _validate_sampler_options(self, where: str) -> None:

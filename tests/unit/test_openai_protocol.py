@@ -52,11 +52,17 @@ def test_response_format_json_object_keeps_the_output_to_json() -> None:
     assert sampling_params(chat, SamplingParams(), 4, None).structured == "json_object"
     text = CompletionRequest(prompt="hi", response_format={"type": "text"})
     assert sampling_params(text, SamplingParams(), 4, None).structured is None
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    typed = CompletionRequest(prompt="hi", response_format={"type": "json_schema",
+                                                            "json_schema": {"name": "x", "schema": schema}})
+    assert sampling_params(typed, SamplingParams(), 4, None).structured == schema
 
 
 @pytest.mark.parametrize("fmt, match", [
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}, "json_schema is not supported"),
-    ({"type": "yaml"}, "response_format.type must be 'text' or 'json_object', got 'yaml'"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"properties": {"a": {"not": {}}}}}},
+     r"response_format.json_schema.schema.properties.a.not is not supported"),
+    ({"type": "json_schema", "json_schema": "x"}, r"must be \{'name': ..., 'schema': \{...\}\}"),
+    ({"type": "yaml"}, "response_format.type must be 'text', 'json_object' or 'json_schema', got 'yaml'"),
     ({}, "got None"),
 ])
 def test_response_formats_kiln_cannot_keep_are_a_400(fmt, match) -> None:

@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from kiln.engine.request import SamplingParams
-from kiln.engine.structured import CANDIDATES, MAX_WHITESPACE, JsonObjectState, TokenConstraint
+from kiln.engine.json_schema import any_object
+from kiln.engine.structured import CANDIDATES, MAX_WHITESPACE, JsonAutomaton, TokenConstraint, structured_shape
 from tests.unit.test_engine_core import VOCAB, make_engine, run
 
 
-def _accepts(text: str) -> tuple[bool, bool]:
-    """(every byte accepted, the object closed)."""
-    state = JsonObjectState()
+def _accepts(text: str, shape=None) -> tuple[bool, bool]:
+    """(every byte accepted, the value complete)."""
+    state = JsonAutomaton(shape if shape is not None else any_object())
     ok = state.feed(text.encode("utf-8"))
     return ok, ok and state.done
 
@@ -177,7 +178,7 @@ def test_structured_requests_need_a_tokenizer_and_a_known_format() -> None:
     engine = make_engine()
     with pytest.raises(ValueError, match=r"SamplingParams.structured='json_object' needs the model's tokenizer"):
         engine.add_request(0, [1, 2], SamplingParams(structured="json_object"))
-    with pytest.raises(ValueError, match=r"structured must be None or 'json_object', got 'yaml'"):
+    with pytest.raises(ValueError, match=r"structured: must be 'json_object' or a JSON Schema \(a dict\), got 'yaml'"):
         SamplingParams(structured="yaml").validate()
 
 
@@ -229,3 +230,173 @@ def test_vocab_bytes_of_byte_level_and_sentencepiece_vocabularies() -> None:
     assert b"".join(table[i] for i in ids) == b' {"a": 1}\n'  # the leading space the model sees, a byte piece
     assert spm.decode(ids) == '{"a": 1}\n'
     assert table[spm.convert_tokens_to_ids("<0xC3>")] == b"\xc3" and table[spm.eos_token_id] is None
+
+
+# ---------------------------------------------------------------- JSON Schemas
+
+
+def _person_schema() -> dict:
+    """What pydantic writes for a nested model: $defs and $ref, Optional as anyOf with null, an enum, a list."""
+    import enum
+
+    from pydantic import BaseModel, ConfigDict, Field
+
+    class Colour(enum.Enum):
+        RED = "red"
+        GREEN = "green"
+
+    class Pet(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        name: str
+        legs: int
+
+    class Person(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        name: str
+        age: int
+        height: float
+        colour: Colour
+        pets: list[Pet] = Field(max_length=2)
+        nickname: str | None = None
+        admin: bool = False
+
+    return Person.model_json_schema()
+
+
+PERSON_VALID = [
+    '{"name": "Ada", "age": 36, "height": 1.65, "colour": "red", "pets": []}',
+    '{"pets": [{"name": "Rex", "legs": 4}, {"legs": 2, "name": "Tweety"}], "colour": "green", "height": 2, '
+    '"age": -1, "name": "\\u00e9", "nickname": null, "admin": true}',
+    '{\n  "name": "x",\n  "age": 0,\n  "height": 1e3,\n  "colour": "red",\n  "pets": [],\n  "nickname": "y"\n}',
+]
+PERSON_INVALID = [
+    '{"name": "Ada", "age": 36, "height": 1.65, "colour": "red"}',  # pets is required
+    '{"name": "Ada", "age": 36.5, "height": 1.65, "colour": "red", "pets": []}',  # an integer
+    '{"name": "Ada", "age": "36", "height": 1.65, "colour": "red", "pets": []}',
+    '{"name": "Ada", "age": 36, "height": 1.65, "colour": "blue", "pets": []}',  # not in the enum
+    '{"name": "Ada", "age": 36, "height": 1.65, "colour": "red", "pets": [], "email": "a@b"}',  # no such key
+    '{"name": "Ada", "name": "Bob", "age": 36, "height": 1.65, "colour": "red", "pets": []}',  # twice
+    '{"name": "Ada", "age": 36, "height": 1.65, "colour": "red", "pets": [{"name": "a", "legs": 1}, '
+    '{"name": "b", "legs": 1}, {"name": "c", "legs": 1}]}',  # maxItems 2
+    '{"name": "Ada", "age": 36, "height": 1.65, "colour": "red", "pets": [{"name": "Rex"}]}',  # legs required
+    '{"name": "Ada", "age": 36, "height": 1.65, "colour": "red", "pets": [], "admin": null}',
+    '["Ada"]',
+]
+
+
+def test_a_pydantic_schema_keeps_its_types_keys_enums_and_counts() -> None:
+    shape = structured_shape(_person_schema())
+    for text in PERSON_VALID:
+        assert _accepts(text, shape) == (True, True), text
+        for cut in range(len(text)):
+            assert _accepts(text[:cut], shape) == (True, False), text[:cut]
+    for text in PERSON_INVALID:
+        assert _accepts(text, shape)[1] is False, text
+
+
+def _person_ok(text: str) -> bool:
+    """A by-hand validator of the Person schema, for the oracle below."""
+    try:
+        v = json.loads(text, parse_constant=lambda name: (_ for _ in ()).throw(ValueError(name)),
+                       object_pairs_hook=lambda pairs: dict(pairs) if len({k for k, _ in pairs}) == len(pairs)
+                       else (_ for _ in ()).throw(ValueError("duplicate")))
+    except ValueError:
+        return False
+    keys = {"name", "age", "height", "colour", "pets", "nickname", "admin"}
+    if not isinstance(v, dict) or not set(v) <= keys or not {"name", "age", "height", "colour", "pets"} <= set(v):
+        return False
+    pets = v["pets"]
+    return (isinstance(v["name"], str) and type(v["age"]) is int and type(v["height"]) in (int, float)
+            and v["colour"] in ("red", "green") and isinstance(pets, list) and len(pets) <= 2
+            and all(isinstance(p, dict) and set(p) == {"name", "legs"} and isinstance(p["name"], str)
+                    and type(p["legs"]) is int for p in pets)
+            and (v.get("nickname") is None or isinstance(v["nickname"], str))
+            and type(v.get("admin", False)) is bool)
+
+
+def test_the_schema_automaton_agrees_with_a_validator_on_mutated_instances() -> None:
+    shape = structured_shape(_person_schema())
+    rng = random.Random(2)
+    alphabet = '{}[]:,"\\ 0123456789.eE+-truefalsnagdimpc'
+    agreed = {True: 0, False: 0}
+    for _ in range(3000):
+        text = rng.choice(PERSON_VALID)
+        i = rng.randrange(len(text))
+        edit = rng.choice(["delete", "insert", "replace"])
+        text = text[:i] + (rng.choice(alphabet) if edit != "delete" else "") + text[i + (edit != "insert"):]
+        truth = _person_ok(text)
+        assert _accepts(text, shape)[1] == truth, repr(text)
+        agreed[truth] += 1
+    assert min(agreed.values()) > 300  # both kinds were tried
+
+
+@pytest.mark.parametrize("schema, match", [
+    ({"not": {"type": "string"}}, r"schema\.not is not supported"),
+    ({"type": "object", "properties": {"a": {"if": {}}}}, r"schema\.properties\.a\.if is not supported"),
+    ({"type": "date"}, r"schema\.type must be one of"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, r"required must list names"),
+    ({"$ref": "#/$defs/Missing"}, r"points at nothing"),
+    ({"type": "array", "minItems": 3, "maxItems": 1}, r"minItems/maxItems"),
+    ({"enum": [{"a": 1}]}, r"objects and arrays as enum"),
+])
+def test_schemas_kiln_cannot_keep_are_refused_by_name(schema, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(structured=schema).validate()
+
+
+def test_recursive_schemas_and_type_lists() -> None:
+    tree = {"$defs": {"Node": {"type": "object", "properties": {"v": {"type": ["integer", "null"]},
+                                                                "kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}}},
+                               "required": ["v"]}},
+            "$ref": "#/$defs/Node"}
+    shape = structured_shape(tree)
+    assert _accepts('{"v": 1, "kids": [{"v": null}, {"v": 2, "kids": [{"v": 3, "kids": []}]}]}', shape) == (True, True)
+    assert _accepts('{"v": 1, "kids": [{"kids": []}]}', shape)[1] is False
+    assert _accepts("12", structured_shape({"type": "integer"})) == (True, True)  # a number ends at the text's end
+    assert _accepts('"b"', structured_shape({"enum": ["a", "b"]})) == (True, True)
+    assert _accepts("1", structured_shape({"enum": [1, 12]})) == (True, True)
+    assert _accepts("12", structured_shape({"enum": [1, 12]})) == (True, True)
+    assert _accepts("123", structured_shape({"enum": [1, 12]}))[0] is False
+
+
+PET_SCHEMA = {"type": "object", "properties": {"k": {"type": "integer"}, "v": {"type": "array", "items": {
+    "type": "integer"}}}, "required": ["k"]}
+
+
+def test_schema_requests_through_the_engine_end_as_instances() -> None:
+    vocab = list(ENGINE_VOCAB)
+    vocab[2] = b'"k"'
+    vocab[10], vocab[11] = b'"v"', b"-"
+    engine = make_engine(eos=(31,), vocab_bytes=lambda: vocab)
+    for i, temp in enumerate((0.0, 1.0, 1.0)):
+        engine.add_request(i, [10, 11, 12], SamplingParams(max_tokens=40, temperature=temp, seed=i,
+                                                           structured=PET_SCHEMA))
+    for tokens, reason in run(engine).values():
+        text = b"".join(vocab[t] for t in tokens if t != 31).decode()
+        assert _accepts(text, structured_shape(PET_SCHEMA))[0], text
+        if reason == "stop":
+            value = json.loads(text)
+            assert isinstance(value["k"], int) and set(value) <= {"k", "v"}
+
+
+@pytest.mark.parametrize("schema", [
+    "json_object", _person_schema(), PET_SCHEMA, {"type": "array", "items": {"enum": ["ab", "ac", 1]}, "maxItems": 2,
+                                                   "minItems": 1},
+    {"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": {"type": "integer"}},
+])
+def test_no_prefix_the_automaton_accepts_is_a_dead_end(schema) -> None:
+    """Random walks over the printable bytes: wherever a walk stands, some byte
+    continues it, or the value is complete. A dead end would leave a request
+    with no valid token."""
+    shape = structured_shape(schema)
+    rng = random.Random(4)
+    printable = [bytes([b]) for b in range(0x20, 0x7f)]
+    for _ in range(60):
+        state, text = JsonAutomaton(shape), b""
+        for _ in range(60):
+            options = [b for b in printable if state.copy().feed(b)]
+            if not options:
+                assert state.done, text
+                break
+            text += rng.choice(options)
+            assert state.feed(text[-1:])

@@ -122,24 +122,33 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, defaults: Sa
         params.validate("request")
     except ValueError as e:
         named = re.match(r"request\.(\w+)", str(e))
-        raise APIError(str(e).replace("request.", "", 1), param=named.group(1) if named else None) from None
+        param = named.group(1) if named else None
+        if param == "structured":  # a schema kiln cannot keep
+            raise APIError(str(e).replace("request.structured: schema", "response_format.json_schema.schema", 1),
+                           param="response_format") from None
+        raise APIError(str(e).replace("request.", "", 1), param=param) from None
     return params
 
 
-def _structured(response_format: dict[str, Any]) -> str | None:
+def _structured(response_format: dict[str, Any]) -> str | dict[str, Any] | None:
     """OpenAI's ``response_format`` as ``SamplingParams.structured``: ``text``
-    is none, ``json_object`` keeps the output to a JSON object. A JSON Schema
-    (``json_schema``) is refused: kiln's automaton knows JSON, not schemas, and
-    an answer that ignored the schema would be worse than an error."""
+    is none, ``json_object`` keeps the output to a JSON object, ``json_schema``
+    to its ``json_schema.schema`` (what of a schema is kept:
+    ``kiln.engine.json_schema``; a schema kiln cannot keep is a 400 naming the
+    keyword, never an answer that ignores it)."""
     kind = response_format.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
         return "json_object"
-    if kind == "json_schema":
-        raise APIError("response_format json_schema is not supported: kiln keeps output to any JSON object "
-                       "(type 'json_object'), not to a schema", param="response_format")
-    raise APIError(f"response_format.type must be 'text' or 'json_object', got {kind!r}", param="response_format")
+    if kind != "json_schema":
+        raise APIError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                       param="response_format")
+    spec = response_format.get("json_schema")
+    schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise APIError("response_format.json_schema must be {'name': ..., 'schema': {...}}", param="response_format")
+    return schema
 
 
 def _logit_bias(bias: dict[str, Any]) -> dict[int, float]:
