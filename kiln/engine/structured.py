@@ -110,7 +110,7 @@ class JsonAutomaton:
         return any(_complete(stack) for stack in self.stacks)
 
     def feed(self, data: bytes) -> bool:
-        """Advance over ``data``; False (and the state undefined) if it cannot continue the value."""
+        """Advance over ``data``; False (and the state unchanged) if it cannot continue the value."""
         stacks, spaces = self.stacks, self.spaces
         for b in data:
             nxt: set[Stack] = set()
@@ -340,9 +340,8 @@ class TokenConstraint:
         if token in self.ends:
             return
         data = self.vocab[token] if 0 <= token < len(self.vocab) else None
-        nxt = self.state.copy()
-        if data and nxt.feed(data):
-            self.state = nxt
+        if data:
+            self.state.feed(data)
 
     def mask(self, row: torch.Tensor) -> None:
         """Set every logit of ``row`` (1-D, processed) but the allowed
