@@ -6,6 +6,7 @@ saying why, only when the package cannot be fetched."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -74,3 +75,24 @@ def test_chat_repl_through_a_pipe_answers_and_keeps_history(smollm2, tmp_path) -
     assert len(turns) == 2  # the line after /exit is never read
     prompt_tokens = [int(t.split("prompt ")[1].split(" ")[0]) for t in turns]
     assert prompt_tokens[1] > prompt_tokens[0] + 10  # the second turn carries the first
+
+
+def test_answers_kept_to_a_json_schema_and_to_any_object(smollm2) -> None:
+    """The real model asked for JSON: its greedy answer under a schema is an
+    instance of it (asked freely, it wrapped its JSON in a code fence with a
+    trailing comma, a scratch run)."""
+    rt = Runtime.load(smollm2, optimization_level=0)
+    schema = {"type": "object", "required": ["city", "country", "population", "landmarks"],
+              "properties": {"city": {"type": "string"}, "country": {"type": "string"},
+                             "population": {"type": "integer"},
+                             "landmarks": {"type": "array", "items": {"type": "string"}, "maxItems": 3}}}
+    ask = [{"role": "user", "content": "Describe Paris as JSON with city, country, population and landmarks."}]
+    out = rt.chat(ask, SamplingParams(max_tokens=120, temperature=0, structured=schema))
+    assert out.finish_reason == "stop", out.text
+    value = json.loads(out.text)
+    assert set(value) == set(schema["properties"]) and value["city"] == "Paris"
+    assert isinstance(value["population"], int) and 1 <= len(value["landmarks"]) <= 3
+    out = rt.chat([{"role": "user", "content": "List three colours as a JSON object."}],
+                  SamplingParams(max_tokens=120, temperature=0, structured="json_object"))
+    assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict)
+    rt.close()
