@@ -470,7 +470,7 @@ class Sampler:
             logits = self.workspace.get(0, logits).copy_(logits)  # masked in place: never the caller's
         for row, constraint in enumerate(constraints or ()):
             if constraint is not None:
-                constraint.mask(logits[row])
+                constraint.mask(logits[row], 0.0 if params[row].greedy else params[row].temperature)
         if all(p.greedy for p in params):
             tokens, processed = argmax_rows(logits), lambda: logits
         else:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 CANDIDATES = 64
 MAX_WHITESPACE = 48
+_NEGLIGIBLE = 1e-4  # a sampled row's unexamined candidates weigh less than this share of the allowed ones
 _SCAN_CHUNK = 4096
 
 _WS = frozenset(b" \t\n\r")
@@ -343,12 +345,22 @@ class TokenConstraint:
         if data:
             self.state.feed(data)
 
-    def mask(self, row: torch.Tensor) -> None:
+    def mask(self, row: torch.Tensor, temperature: float = 0.0) -> None:
         """Set every logit of ``row`` (1-D, processed) but the allowed
-        candidates' to -inf, in place."""
+        candidates' to -inf, in place. A greedy row (``temperature`` 0) keeps
+        only the most likely allowed token; a sampled row stops looking once
+        the candidates left weigh less than ``_NEGLIGIBLE`` of those found at
+        its temperature. A row of 49152 logits inside a JSON string: 0.13 ms
+        greedy, 0.5 ms sampled from a flat row that checks all 64 candidates
+        (scratch timings; a peaked row stops sooner)."""
+        if temperature <= 0.0:
+            best = int(row.argmax())
+            if self.allows(best) and row[best] > float("-inf"):
+                self._keep(row, [best])
+                return
         k = min(CANDIDATES, row.numel())
         values, ids = torch.topk(row, k)
-        allowed = [t for t, v in zip(ids.tolist(), values.tolist()) if v > float("-inf") and self.allows(t)]
+        allowed = self._candidates(ids.tolist(), values.tolist(), temperature)
         if not allowed:
             allowed = self._scan(row)
         if not allowed:
@@ -357,7 +369,34 @@ class TokenConstraint:
                                "sampling it unconstrained")
                 self._warned = True
             return
-        index = torch.tensor(allowed, dtype=torch.long, device=row.device)
+        self._keep(row, allowed[:1] if temperature <= 0.0 else allowed)
+
+    def _candidates(self, ids: list[int], values: list[float], temperature: float) -> list[int]:
+        """The allowed tokens among ``ids`` (most likely first, logits ``values``),
+        looked at until the rest cannot matter: the first for a greedy row."""
+        allowed: list[int] = []
+        if values[0] == float("-inf"):
+            return allowed
+        weights = [math.exp((v - values[0]) / temperature) for v in values] if temperature > 0.0 else None
+        left = sum(weights) if weights is not None else 0.0
+        found = 0.0
+        for i, (t, v) in enumerate(zip(ids, values)):
+            if v == float("-inf"):
+                break
+            if weights is not None:
+                left -= weights[i]
+            if self.allows(t):
+                allowed.append(t)
+                if weights is None:
+                    break
+                found += weights[i]
+            if weights is not None and found > 0.0 and left < _NEGLIGIBLE * found:
+                break
+        return allowed
+
+    @staticmethod
+    def _keep(row: torch.Tensor, tokens: list[int]) -> None:
+        index = torch.tensor(tokens, dtype=torch.long, device=row.device)
         kept = row[index]
         row.fill_(float("-inf"))
         row[index] = kept

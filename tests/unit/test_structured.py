@@ -105,11 +105,19 @@ EOS = 9
 
 def test_the_mask_keeps_the_allowed_candidates_and_then_only_the_end() -> None:
     c = TokenConstraint(TOY, ends=[EOS])
-    row = torch.arange(len(TOY), dtype=torch.float32)  # the later a token, the likelier
-    c.mask(row)
+    logits = torch.arange(len(TOY), dtype=torch.float32) / 4  # the later a token, the likelier
+    row = logits.clone()
+    c.mask(row, temperature=1.0)
     allowed = {i for i, v in enumerate(row.tolist()) if v != float("-inf")}
     assert allowed == {0, 6, 11}  # "{", " ", "{}": the only ways to begin an object
-    assert row[11] == 11.0  # kept values are the logits
+    assert row[11] == 11 / 4  # kept values are the logits
+    greedy = logits.clone()
+    c.mask(greedy)  # temperature 0: the likeliest allowed token alone
+    assert torch.isfinite(greedy).nonzero().flatten().tolist() == [11]
+    peaked = torch.full((len(TOY),), -50.0)
+    peaked[0], peaked[6] = 10.0, -5.0  # " " weighs e^-15 of "{" at temperature 1: not looked for
+    c.mask(peaked, temperature=1.0)
+    assert torch.isfinite(peaked).nonzero().flatten().tolist() == [0]
     for token in (0, 2, 3, 14):  # {"k":1}
         assert c.allows(token)
         c.advance(token)
