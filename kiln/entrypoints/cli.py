@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.config import DEFAULT_LEVEL, CUDAGraphMode
+from kiln.entrypoints.openai.reasoning import REASONING_PARSERS
 from kiln.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from kiln.quick_exit import exit_now
 
@@ -271,7 +272,7 @@ def _serve(args: argparse.Namespace) -> int:
     parse_options(args.model, **options)  # a bad option fails now, not after the port opened
     return serve(args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
                  load_options=options, log_level="info" if args.verbose else "warning", chat_template=template,
-                 tool_call_parser=args.tool_call_parser)
+                 tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
 
 
 def _fetch_demo(args: argparse.Namespace) -> int:
@@ -303,6 +304,9 @@ def _parser() -> argparse.ArgumentParser:
                         "tools: hermes (<tool_call> blocks: Qwen2.5, Qwen3, Hermes) or llama3_json (Llama 3.1+)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted as vLLM takes it; --tool-call-parser alone enables tool_choice 'auto'")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="send a chat answer's <think> reasoning as reasoning_content, apart from its content: "
+                        "qwen3 or deepseek_r1 (whose template opens <think> in the prompt)")
     _add_engine_options(p)
     _add_model_options(p, [0, 1, 2, 3])
     p = sub.add_parser("compile", help="prebuild a relocatable bundle: Runtime.load(DIR) then starts warm")

@@ -160,11 +160,13 @@ class _Engine:
             yield StreamDelta("r", self.tokenizer.decode(part), part, "stop" if i + 3 >= len(ids) else None)
 
 
-def _client(tokenizer, answer: str, parser: str | None = "hermes") -> tuple[TestClient, _Engine]:
+def _client(tokenizer, answer: str, parser: str | None = "hermes",
+            reasoning: str | None = None) -> tuple[TestClient, _Engine]:
     engine = _Engine(tokenizer, answer)
     state = ServerState("m", ("unused", {}), engine=engine)  # type: ignore[arg-type]
     metrics = SimpleNamespace(record_request=lambda *a, **k: None)
-    state.serving = OpenAIServing(engine, "m", metrics, tool_call_parser=parser)  # type: ignore[arg-type]
+    state.serving = OpenAIServing(engine, "m", metrics, tool_call_parser=parser,  # type: ignore[arg-type]
+                                  reasoning_parser=reasoning)
     return TestClient(build_app(state)), engine
 
 
@@ -234,3 +236,35 @@ def test_tools_on_a_server_without_a_parser_are_a_400(tokenizer) -> None:
     r = client.post("/v1/chat/completions", json=BODY)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
     assert "--tool-call-parser" in r.json()["error"]["message"] and engine.prompts == []
+
+
+THOUGHT = "<think>\nThe user wants the weather; I have a tool.\n</think>\n\n"
+
+
+def test_reasoning_is_split_off_before_calls_are_looked_for(tokenizer) -> None:
+    client, engine = _client(tokenizer, THOUGHT + ANSWER, reasoning="qwen3")
+    choice = client.post("/v1/chat/completions", json=BODY).json()["choices"][0]
+    message = choice["message"]
+    assert message["reasoning_content"] == "\nThe user wants the weather; I have a tool.\n"
+    assert message["content"] == "Checking.\n" and choice["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+    events = _events(client.post("/v1/chat/completions", json={**BODY, "stream": True}))
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
+    assert "".join(d.get("content") or "" for d in deltas) == "Checking.\n"
+    assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", [])] == ["get_weather"]
+    assert all(p.skip_special_tokens is False for p in engine.params)  # <think> may be a special token
+
+
+def test_reasoning_without_tools_and_an_answer_without_reasoning(tokenizer) -> None:
+    plain = {"model": "m", "messages": [{"role": "user", "content": "Capital of France?"}]}
+    client, engine = _client(tokenizer, THOUGHT + "Paris.", parser=None, reasoning="qwen3")
+    message = client.post("/v1/chat/completions", json=plain).json()["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "Paris.",
+                       "reasoning_content": "\nThe user wants the weather; I have a tool.\n"}
+    client, _ = _client(tokenizer, "Paris.", parser=None, reasoning="qwen3")
+    message = client.post("/v1/chat/completions", json=plain).json()["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "Paris.", "reasoning_content": None}
+    client, _ = _client(tokenizer, THOUGHT + "Paris.", parser=None)  # no parser: the text as written
+    message = client.post("/v1/chat/completions", json=plain).json()["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": THOUGHT + "Paris."}

@@ -46,6 +46,7 @@ class ServerState:
     metrics: ServerMetrics | None = None
     chat_template: str | None = None  # --chat-template: replaces the tokenizer's
     tool_call_parser: str | None = None  # --tool-call-parser: chat answers are parsed for calls
+    reasoning_parser: str | None = None  # --reasoning-parser: chat answers' reasoning is split off
 
     def ready(self) -> OpenAIServing:
         if self.load_error is not None:
@@ -91,7 +92,7 @@ def _start_engine(state: ServerState, loaded: LoadedEngine) -> None:
     metrics.record_startup(loaded.startup_report)
     state.metrics, state.engine = metrics, engine
     state.serving = OpenAIServing(engine, state.model_name, metrics, chat_template=state.chat_template,
-                                  tool_call_parser=state.tool_call_parser)
+                                  tool_call_parser=state.tool_call_parser, reasoning_parser=state.reasoning_parser)
     logger.info("kiln serve: %s ready in %.1fs", state.model_name, loaded.startup_report["total_seconds"])
 
 
@@ -207,11 +208,12 @@ def _generation_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def serve(model: str, *, host: str, port: int, served_model_name: str | None, load_options: dict[str, Any],
-          log_level: str = "info", chat_template: str | None = None, tool_call_parser: str | None = None) -> int:
+          log_level: str = "info", chat_template: str | None = None, tool_call_parser: str | None = None,
+          reasoning_parser: str | None = None) -> int:
     """Run the server until interrupted."""
     import uvicorn
 
     state = ServerState(served_model_name or model, (model, load_options), chat_template=chat_template,
-                        tool_call_parser=tool_call_parser)
+                        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
     uvicorn.run(build_app(state), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     return 0

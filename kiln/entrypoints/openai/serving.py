@@ -35,6 +35,7 @@ from kiln.entrypoints.openai.protocol import (
     sampling_params,
     tool_use,
 )
+from kiln.entrypoints.openai.reasoning import CONTENT, REASONING, ReasoningStream, reasoning_stream, split_reasoning
 from kiln.entrypoints.openai.tool_parsers import ToolCall, ToolCallStream, parse, tool_parser
 
 __all__ = ["Choice", "OpenAIServing"]
@@ -84,16 +85,22 @@ class OpenAIServing:
     """The handlers over one engine. ``chat_template`` replaces the tokenizer's
     (``--chat-template``); ``tool_call_parser`` (``--tool-call-parser``) names
     the format whose calls chat answers are parsed for when a request offers
-    tools (``tool_parsers.TOOL_PARSERS``)."""
+    tools (``tool_parsers.TOOL_PARSERS``); ``reasoning_parser``
+    (``--reasoning-parser``) how a chat answer's reasoning is split off
+    (``reasoning.REASONING_PARSERS``)."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics, *,
-                 chat_template: str | None = None, tool_call_parser: str | None = None) -> None:
+                 chat_template: str | None = None, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.chat_template = chat_template
         self.tool_call_parser = tool_call_parser
         self._tool_stream = tool_parser(tool_call_parser) if tool_call_parser else None
+        self.reasoning_parser = reasoning_parser
+        if reasoning_parser is not None:
+            reasoning_stream(reasoning_parser)  # an unknown name fails here, not at the first request
         self.max_model_len = engine.config.max_model_len
         self.defaults = SamplingParams(**{k: v for k, (v, _) in engine.config.sampling_defaults.items()})
 
@@ -270,8 +277,9 @@ class OpenAIServing:
         max_tokens = self._fits(ids, req.max_completion_tokens if req.max_completion_tokens is not None
                                 else req.max_tokens)
         params = sampling_params(req, self.defaults, max_tokens, chat_logprobs(req))
-        if use.parse and req.skip_special_tokens is None:
-            # as vLLM does: some vocabularies make <tool_call> a special token, which the text would leave out
+        if (use.parse or self.reasoning_parser) and req.skip_special_tokens is None:
+            # as vLLM does: some vocabularies make <tool_call> or <think> special tokens, which the text would
+            # leave out
             params = replace(params, skip_special_tokens=False)
         return self._choices([(ids, None)], params, req.n, req.cache_salt)
 
@@ -284,17 +292,22 @@ class OpenAIServing:
                             for t, lp in zip(token_ids, lps)]}
 
     def _chat_message(self, choice: Choice, use: ToolUse) -> tuple[dict[str, Any], str | None]:
-        """A finished choice's message and finish reason: with tool calls parsed
-        out of its text when the request asked (finish reason ``tool_calls``)."""
+        """A finished choice's message and finish reason: its reasoning split
+        off (``reasoning_content``) with a reasoning parser, and tool calls
+        parsed out of the rest when the request asked (finish reason ``tool_calls``)."""
+        message: dict[str, Any] = {"role": "assistant"}
+        text = choice.text
+        if self.reasoning_parser is not None:
+            message["reasoning_content"], text = split_reasoning(reasoning_stream(self.reasoning_parser), text)
         parser = self._tool_parser(use)
         if parser is None:
-            return {"role": "assistant", "content": choice.text}, choice.finish_reason
-        parsed = parse(parser, choice.text)
+            return {**message, "content": text}, choice.finish_reason
+        parsed = parse(parser, text)
         calls = parsed.tool_calls if use.parallel else parsed.tool_calls[:1]
         if not calls:
-            return {"role": "assistant", "content": parsed.content}, choice.finish_reason
+            return {**message, "content": parsed.content}, choice.finish_reason
         reason = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
-        return {"role": "assistant", "content": parsed.content, "tool_calls": [c.to_openai() for c in calls]}, reason
+        return {**message, "content": parsed.content, "tool_calls": [c.to_openai() for c in calls]}, reason
 
     async def chat(self, req: ChatCompletionRequest) -> dict[str, Any]:
         created = int(time.time())  # when the request came, not when it finished
@@ -313,7 +326,9 @@ class OpenAIServing:
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.model_name}
         use = self._tool_use(req)
-        streams = {c.index: _ChatStream(self._tool_parser(use), use.parallel) for c in choices}
+        streams = {c.index: _ChatStream(self._tool_parser(use), use.parallel,
+                                        reasoning_stream(self.reasoning_parser) if self.reasoning_parser else None)
+                   for c in choices}
         for c in choices:
             yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}]})
@@ -334,29 +349,44 @@ class OpenAIServing:
 
 
 class _ChatStream:
-    """One streamed choice's content deltas, through a tool call parser when
-    the request parses calls: text that could begin a call is held back, and
+    """One streamed choice's deltas: the reasoning split off first (a
+    reasoning parser), then the content through a tool call parser when the
+    request parses calls. Text that could begin a tag or a call is held back;
     each call goes out whole, as one ``tool_calls`` delta with its index."""
 
-    def __init__(self, parser: ToolCallStream | None, parallel: bool) -> None:
+    def __init__(self, parser: ToolCallStream | None, parallel: bool, reasoning: ReasoningStream | None) -> None:
         self.parser = parser
         self.parallel = parallel
+        self.reasoning = reasoning
         self.calls = 0
 
     def deltas(self, delta: StreamDelta, keep_empty: bool) -> list[dict[str, Any]]:
         """The delta bodies ``delta`` gives; with ``keep_empty`` (logprobs asked
-        for) an empty content delta for tokens the parser holds back, to carry
+        for) an empty content delta for tokens the parsers hold back, to carry
         their logprobs."""
-        if self.parser is None:
+        if self.parser is None and self.reasoning is None:
             return [{"content": delta.text}] if delta.text or delta.token_ids else []
-        items = self.parser.feed(delta.text) + (self.parser.finish() if delta.finished else [])
+        pieces = [(CONTENT, delta.text)] if self.reasoning is None else (
+            self.reasoning.feed(delta.text) + (self.reasoning.finish() if delta.finished else []))
+        out: list[dict[str, Any]] = []
+        for kind, text in pieces:
+            if kind == REASONING:
+                out.append({"reasoning_content": text})
+            else:
+                out += self._content(self.parser.feed(text) if self.parser is not None else [text])
+        if delta.finished and self.parser is not None:
+            out += self._content(self.parser.finish())
+        if not out and keep_empty and delta.token_ids:
+            out.append({"content": ""})
+        return out
+
+    def _content(self, items: list[str | ToolCall]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for item in items:
             if isinstance(item, str):
-                out.append({"content": item})
+                if item:
+                    out.append({"content": item})
             elif self.parallel or not self.calls:  # parallel_tool_calls=false: the first call only
                 out.append({"tool_calls": [{"index": self.calls, **item.to_openai()}]})
                 self.calls += 1
-        if not out and keep_empty and delta.token_ids:
-            out.append({"content": ""})
         return out
