@@ -97,7 +97,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.chat_template = chat_template
         self.tool_call_parser = tool_call_parser
-        self._tool_stream = tool_parser(tool_call_parser) if tool_call_parser else None
+        self._tool_parser_class = tool_parser(tool_call_parser) if tool_call_parser else None
         self.reasoning_parser = reasoning_parser
         if reasoning_parser is not None:
             reasoning_stream(reasoning_parser)  # an unknown name fails here, not at the first request
@@ -263,7 +263,7 @@ class OpenAIServing:
         return tool_use(req, self.tool_call_parser)
 
     def _tool_parser(self, use: ToolUse) -> ToolCallStream | None:
-        return self._tool_stream() if use.parse and self._tool_stream is not None else None
+        return self._tool_parser_class() if use.parse and self._tool_parser_class is not None else None
 
     def chat_choices(self, req: ChatCompletionRequest) -> list[Choice]:
         self.check_model(req.model)
