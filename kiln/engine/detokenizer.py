@@ -13,10 +13,10 @@ from __future__ import annotations
 import functools
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["IncrementalDetokenizer", "token_bytes", "vocab_bytes"]
+__all__ = ["IncrementalDetokenizer", "token_bytes", "token_text_after", "vocab_bytes"]
 
 _CONTEXT_TOKENS = 6
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
@@ -49,6 +49,21 @@ def token_bytes(tokenizer: Any, token_id: int) -> bytes:
         if piece and all(c in inverse for c in piece):
             return bytes(inverse[c] for c in piece)
     return text.encode("utf-8")
+
+
+def token_text_after(tokenizer: Any, context: Sequence[int], token_id: int) -> str:
+    """The text ``token_id`` adds after the tokens ``context`` (its last few
+    are enough), as logprobs name tokens: a SentencePiece token decoded alone
+    loses the space it starts with ("\u2581Paris" gives "Paris"), which in
+    context it adds (" Paris"). Where the context ends inside a UTF-8
+    character, the token decoded alone (U+FFFD for a byte of one)."""
+    window = list(context[-_CONTEXT_TOKENS:])
+    if window:
+        before = tokenizer.decode(window)
+        after = tokenizer.decode(window + [token_id])
+        if after.startswith(before) and not before.endswith("\ufffd"):
+            return after[len(before):]
+    return tokenizer.decode([token_id])
 
 
 def vocab_bytes(tokenizer: Any, vocab_size: int) -> list[bytes | None]:

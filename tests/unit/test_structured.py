@@ -199,8 +199,9 @@ def _sentencepiece_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     pieces = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)],
-              "\u2581{", '"', "a", "\u2581a", ":", "\u25811", "}", "\u2581\"", "\u2581", "é"]
-    bpe = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], byte_fallback=True,
+              "\u2581{", '"', "a", "\u2581a", ":", "\u25811", "}", "\u2581\"", "\u2581", "é", "{", "1"]
+    merges = [("\u2581", "{"), ("\u2581", "a"), ("\u2581", "1"), ("\u2581", '"')]
+    bpe = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=merges, byte_fallback=True,
                                unk_token="<unk>"))
     bpe.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
     bpe.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
@@ -408,3 +409,23 @@ def test_no_prefix_the_automaton_accepts_is_a_dead_end(schema) -> None:
                 break
             text += rng.choice(options)
             assert state.feed(text[-1:])
+
+
+def test_logprob_tokens_keep_their_leading_space_in_context() -> None:
+    """Logprobs name a token by the text it adds after the tokens before it: a
+    SentencePiece word start decoded alone would lose its space, and a
+    completion's tokens would no longer add up to its text."""
+    from kiln.engine.detokenizer import token_text_after
+    from kiln.entrypoints.openai.serving import OpenAIServing
+
+    spm = _sentencepiece_tokenizer()
+    ids = spm.encode('{"a": 1}', add_special_tokens=False)
+    assert spm.decode([ids[-2]]) == "1"  # "\u25811" alone
+    contexts = OpenAIServing._contexts([], ids)
+    texts = [token_text_after(spm, ctx, t) for ctx, t in zip(contexts, ids)]
+    assert texts[-2] == " 1" and "".join(texts) == spm.decode(ids)
+    assert OpenAIServing._contexts([7, 8], [1, 2]) == [[7, 8], [7, 8, 1]]
+    byte_level = _byte_level_tokenizer()
+    ids = byte_level.encode("😀 ok", add_special_tokens=False)
+    contexts = OpenAIServing._contexts([], ids)
+    assert [token_text_after(byte_level, ctx, t) for ctx, t in zip(contexts, ids)][-1] == byte_level.decode(ids[-1:])

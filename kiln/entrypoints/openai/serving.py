@@ -16,12 +16,12 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kiln.engine.outputs import StreamDelta, TokenLogprobs
-from kiln.engine.detokenizer import token_bytes
+from kiln.engine.detokenizer import token_bytes, token_text_after
 from kiln.engine.request import SamplingParams
 from kiln.entrypoints.async_engine import AsyncEngine, RequestTimes
 from kiln.entrypoints.chat import render_chat
@@ -67,6 +67,9 @@ def _usage(choices: list[Choice]) -> dict[str, int]:
     prompt, completion = sum(prompts.values()), sum(len(c.token_ids) for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
+
+# tokens of context for a logprob token's text (detokenizer.token_text_after takes its last few)
+_CONTEXT = 6
 
 # What a log-probability of -inf (a token the filters removed) is sent as: JSON has no infinity, and vLLM
 # sends this number
@@ -178,8 +181,17 @@ class OpenAIServing:
                 t.cancel()
             done.cancel()
 
-    def _token(self, token_id: int) -> str:
-        return self.engine.tokenizer.decode([token_id]) if self.engine.tokenizer is not None else str(token_id)
+    def _token(self, context: Sequence[int], token_id: int) -> str:
+        """The token's text after ``context`` (the tokens before it), as logprobs name it."""
+        tokenizer = self.engine.tokenizer
+        return token_text_after(tokenizer, context, token_id) if tokenizer is not None else str(token_id)
+
+    @staticmethod
+    def _contexts(prior: list[int], token_ids: list[int]) -> list[list[int]]:
+        """The tokens before each of ``token_ids`` (``prior``: all before the first), the last few of them."""
+        ids = prior[-_CONTEXT:] + token_ids
+        start = len(ids) - len(token_ids)
+        return [ids[max(0, start + i - _CONTEXT):start + i] for i in range(len(token_ids))]
 
     def _token_bytes(self, token_id: int) -> bytes:
         tokenizer = self.engine.tokenizer
@@ -212,15 +224,19 @@ class OpenAIServing:
         params = sampling_params(req, self.defaults, max_tokens, req.logprobs)
         return self._choices(prompts, params, req.n, req.cache_salt)
 
-    def _completion_logprobs(self, choice_lps: list[TokenLogprobs], token_ids: list[int], offset: int) -> dict:
-        tokens = [self._token(t) for t in token_ids]
+    def _completion_logprobs(self, choice_lps: list[TokenLogprobs], token_ids: list[int], offset: int,
+                             prior: list[int]) -> dict:
+        """Logprobs of ``token_ids``, which follow the tokens ``prior``; the
+        first starts at character ``offset`` of the choice's text."""
+        contexts = self._contexts(prior, token_ids)
+        tokens = [self._token(ctx, t) for ctx, t in zip(contexts, token_ids)]
         offsets = []
         for tok in tokens:
             offsets.append(offset)
             offset += len(tok)
+        top = [{self._token(ctx, t): _json_logprob(v) for t, v in lp.top} for ctx, lp in zip(contexts, choice_lps)]
         return {"tokens": tokens, "token_logprobs": [_json_logprob(lp.logprob) for lp in choice_lps],
-                "top_logprobs": [{self._token(t): _json_logprob(v) for t, v in lp.top} for lp in choice_lps],
-                "text_offset": offsets}
+                "top_logprobs": top, "text_offset": offsets}
 
     def _echo(self, choice: Choice, echo: bool) -> str:
         if not echo:
@@ -234,7 +250,8 @@ class OpenAIServing:
             "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": created,
             "model": self.model_name, "usage": _usage(choices),
             "choices": [{"index": c.index, "text": self._echo(c, req.echo) + c.text, "finish_reason": c.finish_reason,
-                         "logprobs": self._completion_logprobs(c.logprobs, c.token_ids, 0)
+                         "logprobs": self._completion_logprobs(c.logprobs, c.token_ids, len(self._echo(c, req.echo)),
+                                                               c.prompt_ids)
                          if c.params.logprobs is not None else None} for c in choices],
         }
 
@@ -242,13 +259,17 @@ class OpenAIServing:
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
         sent = {c.index: len(self._echo(c, req.echo)) for c in choices}
+        tokens_sent = {c.index: 0 for c in choices}
         for c in choices if req.echo else []:
             yield sse({**head, "choices": [{"index": c.index, "text": self._echo(c, True), "logprobs": None,
                                             "finish_reason": None}]})
         async for choice, delta in self._stream(choices):
-            lps = (self._completion_logprobs(delta.logprobs or [], delta.token_ids, sent[choice.index])
+            before = tokens_sent[choice.index]
+            lps = (self._completion_logprobs(delta.logprobs or [], delta.token_ids, sent[choice.index],
+                                             choice.prompt_ids + choice.token_ids[:before])
                    if choice.params.logprobs is not None else None)
             sent[choice.index] += len(delta.text)
+            tokens_sent[choice.index] += len(delta.token_ids)
             if delta.text or delta.token_ids:
                 yield sse({**head, "choices": [{"index": choice.index, "text": delta.text, "logprobs": lps,
                                                 "finish_reason": None}]})
@@ -283,13 +304,14 @@ class OpenAIServing:
             params = replace(params, skip_special_tokens=False)
         return self._choices([(ids, None)], params, req.n, req.cache_salt)
 
-    def _chat_logprobs(self, lps: list[TokenLogprobs], token_ids: list[int]) -> dict[str, Any]:
-        def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            text = self._token(token_id)
-            return {"token": text, "logprob": _json_logprob(logprob), "bytes": list(self._token_bytes(token_id))}
+    def _chat_logprobs(self, lps: list[TokenLogprobs], token_ids: list[int], prior: list[int]) -> dict[str, Any]:
+        """Logprobs of ``token_ids``, which follow the tokens ``prior``."""
+        def entry(context: list[int], token_id: int, logprob: float) -> dict[str, Any]:
+            return {"token": self._token(context, token_id), "logprob": _json_logprob(logprob),
+                    "bytes": list(self._token_bytes(token_id))}
 
-        return {"content": [{**entry(t, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
-                            for t, lp in zip(token_ids, lps)]}
+        return {"content": [{**entry(ctx, t, lp.logprob), "top_logprobs": [entry(ctx, i, v) for i, v in lp.top]}
+                            for ctx, t, lp in zip(self._contexts(prior, token_ids), token_ids, lps)]}
 
     def _chat_message(self, choice: Choice, use: ToolUse) -> tuple[dict[str, Any], str | None]:
         """A finished choice's message and finish reason: its reasoning split
@@ -317,7 +339,7 @@ class OpenAIServing:
         for c in choices:
             message, reason = self._chat_message(c, use)
             out.append({"index": c.index, "message": message, "finish_reason": reason,
-                        "logprobs": self._chat_logprobs(c.logprobs, c.token_ids)
+                        "logprobs": self._chat_logprobs(c.logprobs, c.token_ids, c.prompt_ids)
                         if c.params.logprobs is not None else None})
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": created,
                 "model": self.model_name, "usage": _usage(choices), "choices": out}
@@ -329,12 +351,16 @@ class OpenAIServing:
         streams = {c.index: _ChatStream(self._tool_parser(use), use.parallel,
                                         reasoning_stream(self.reasoning_parser) if self.reasoning_parser else None)
                    for c in choices}
+        tokens_sent = {c.index: 0 for c in choices}
         for c in choices:
             yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}]})
         async for choice, delta in self._stream(choices):
-            lps = (self._chat_logprobs(delta.logprobs or [], delta.token_ids)
+            before = tokens_sent[choice.index]
+            lps = (self._chat_logprobs(delta.logprobs or [], delta.token_ids,
+                                       choice.prompt_ids + choice.token_ids[:before])
                    if choice.params.logprobs is not None else None)
+            tokens_sent[choice.index] += len(delta.token_ids)
             stream = streams[choice.index]
             for body in stream.deltas(delta, keep_empty=lps is not None):
                 yield sse({**head, "choices": [{"index": choice.index, "delta": body, "logprobs": lps,
