@@ -383,9 +383,17 @@ def test_serve_with_a_chat_template_and_a_tool_call_parser(demo_tokenizer_dir, t
                                              temperature=0)
         assert out.usage.prompt_tokens == tok["count"]
         assert out.choices[0].finish_reason in ("stop", "length") and out.choices[0].message.tool_calls is None
-        with pytest.raises(openai.BadRequestError, match="tool_choice 'required' is not supported"):
-            client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="required",
-                                           max_tokens=6)
+        forced = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
+                                                tool_choice="required", max_tokens=64, temperature=0)
+        if forced.choices[0].finish_reason == "tool_calls":  # the random model's call, decoded under its schema
+            calls = forced.choices[0].message.tool_calls
+            assert calls and all(c.function.name == "get_weather" for c in calls)
+            assert all(isinstance(json.loads(c.function.arguments), dict) for c in calls)
+        else:
+            assert forced.choices[0].finish_reason == "length"
+        with pytest.raises(openai.BadRequestError, match="must name one of the tools"):
+            client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=6,
+                                           tool_choice={"type": "function", "function": {"name": "nope"}})
     finally:
         stop_server(proc)
 

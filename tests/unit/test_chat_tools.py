@@ -67,15 +67,29 @@ def test_tool_choice_follows_openai_defaults() -> None:
     assert none.tools is None and not none.parse
 
 
+def test_forced_calls_are_decoded_under_the_calls_schema() -> None:
+    use = tool_use(_req(tools=[WEATHER], tool_choice="required"), None)  # needs no parser
+    assert use.forced and not use.parse and use.named is None and use.tools == [WEATHER]
+    assert use.schema == {"type": "array", "minItems": 1, "items": {"anyOf": [
+        {"type": "object", "required": ["name", "parameters"],
+         "properties": {"name": {"const": "get_weather"}, "parameters": WEATHER["function"]["parameters"]}}]}}
+    one = tool_use(_req(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False), None)
+    assert one.schema["maxItems"] == 1
+    named = tool_use(_req(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+                     None)
+    assert named.named == "get_weather" and named.schema == WEATHER["function"]["parameters"]
+
+
 @pytest.mark.parametrize("fields, parser, match", [
     ({"tools": [WEATHER]}, None, "--tool-call-parser"),
     ({"tools": [WEATHER], "tool_choice": "auto"}, None, "--tool-call-parser"),
-    ({"tools": [WEATHER], "tool_choice": "required"}, "hermes", "'required' is not supported"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "hermes",
-     "named function"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "hermes", "must be 'none', 'auto', 'required' or a named"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "hermes",
+     r"must name one of the tools \(get_weather\)"),
     ({"tool_choice": "auto"}, "hermes", "needs tools"),
+    ({"tool_choice": "required"}, None, "needs tools"),
 ])
-def test_tool_choices_kiln_cannot_honour_are_400_naming_tool_choice(fields, parser, match) -> None:
+def test_tool_choices_kiln_cannot_serve_are_400_naming_tool_choice(fields, parser, match) -> None:
     with pytest.raises(APIError, match=match) as e:
         tool_use(_req(**fields), parser)
     assert e.value.status == 400 and e.value.param == "tool_choice"
@@ -268,3 +282,37 @@ def test_reasoning_without_tools_and_an_answer_without_reasoning(tokenizer) -> N
     client, _ = _client(tokenizer, THOUGHT + "Paris.", parser=None)  # no parser: the text as written
     message = client.post("/v1/chat/completions", json=plain).json()["choices"][0]["message"]
     assert message == {"role": "assistant", "content": THOUGHT + "Paris."}
+
+
+def test_a_required_call_is_read_from_the_constrained_answer(tokenizer) -> None:
+    answer = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_weather", "parameters": {}}]'
+    client, engine = _client(tokenizer, answer, parser=None)
+    body = {**BODY, "tool_choice": "required"}
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert engine.params[-1].structured == tool_use(ChatCompletionRequest(**body), None).schema
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [json.loads(c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == [{"city": "Paris"}, {}]
+    events = _events(client.post("/v1/chat/completions", json={**body, "stream": True}))
+    streamed = [c for e in events for c in e["choices"][0]["delta"].get("tool_calls", [])]
+    assert [(c["index"], json.loads(c["function"]["arguments"])) for c in streamed] == [(0, {"city": "Paris"}), (1, {})]
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_named_call_is_the_answer_as_its_arguments(tokenizer) -> None:
+    client, engine = _client(tokenizer, '{"city": "Oslo"}', parser=None)
+    body = {**BODY, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert engine.params[-1].structured == WEATHER["function"]["parameters"]
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert choice["finish_reason"] == "stop"  # OpenAI's for a named function
+
+
+def test_forced_calls_that_cannot_be_kept_are_a_400(tokenizer) -> None:
+    client, _ = _client(tokenizer, "[]", parser=None)
+    both = {**BODY, "tool_choice": "required", "response_format": {"type": "json_object"}}
+    r = client.post("/v1/chat/completions", json=both)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    odd = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}
+    r = client.post("/v1/chat/completions", json={**BODY, "tools": [odd], "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools" and "not is not supported" in r.text

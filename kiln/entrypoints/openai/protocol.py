@@ -179,11 +179,20 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
 class ToolUse:
     """What a chat request's ``tools`` and ``tool_choice`` ask of the server:
     the definitions to render into the prompt (None: none), whether to parse
-    calls out of the answer, and whether to keep more than the first call."""
+    calls out of the answer with the server's parser (``auto``), and whether
+    to keep more than the first call. A forced call (``required``, or a named
+    function: ``named``) is decoded under ``schema`` instead: a JSON array of
+    ``{"name", "parameters"}`` calls, or the named function's arguments."""
 
     tools: list[dict[str, Any]] | None = None
     parse: bool = False
     parallel: bool = True
+    schema: dict[str, Any] | None = None
+    named: str | None = None
+
+    @property
+    def forced(self) -> bool:
+        return self.schema is not None
 
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -194,23 +203,48 @@ def tool_use(req: ChatCompletionRequest, parser: str | None) -> ToolUse:
     tool call parser (``--tool-call-parser``; None: the server parses no
     calls). ``none`` leaves the tools out of the prompt; ``auto`` (the default
     when tools are given) offers them and parses the answer, and needs a
-    parser. kiln does not constrain decoding, so ``required`` and a named
-    function are refused (400) rather than silently not enforced."""
+    parser. ``required`` and a named function (``{"type": "function",
+    "function": {"name": ...}}``) need none: the answer is decoded under a
+    JSON Schema of the calls (``kiln.engine.structured``), as vLLM does."""
     tools = _check_tools(req.tools) if req.tools is not None else []
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
     if choice == "none":
         return ToolUse()
     if not tools:
-        raise APIError(f"tool_choice {choice!r} needs tools", param="tool_choice")
+        raise APIError(f"tool_choice {choice!r:.80} needs tools", param="tool_choice")
+    parallel = req.parallel_tool_calls is not False
+    if choice == "required":
+        return ToolUse(tools, parallel=parallel, schema=_calls_schema(tools, parallel))
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        by_name = {t["function"]["name"]: t["function"] for t in tools}
+        if choice.get("type", "function") != "function" or name not in by_name:
+            raise APIError(f"tool_choice must name one of the tools ({', '.join(by_name)}) as "
+                           f"{{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r:.80}",
+                           param="tool_choice")
+        return ToolUse(tools, parallel=False, schema=_parameters(by_name[name]), named=name)
     if choice != "auto":
-        shown = choice if isinstance(choice, str) else "a named function"
-        raise APIError(f"tool_choice {shown!r:.80} is not supported: kiln does not constrain decoding to a "
-                       "call; use 'auto' (or 'none')", param="tool_choice")
+        raise APIError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r:.80}",
+                       param="tool_choice")
     if parser is None:
         raise APIError("tool_choice 'auto' (the default when tools are given) needs the server started with "
                        "--tool-call-parser (hermes or llama3_json); send tool_choice 'none' to answer without "
                        "tools", param="tool_choice")
     return ToolUse(tools, parse=True, parallel=req.parallel_tool_calls is not False)
+
+
+def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
+    return fn.get("parameters") or {"type": "object"}
+
+
+def _calls_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """A JSON array of calls to the tools: ``[{"name": ..., "parameters": {...}}, ...]``, one at least
+    (one at most without parallel calls)."""
+    calls = [{"type": "object", "required": ["name", "parameters"],
+              "properties": {"name": {"const": t["function"]["name"]}, "parameters": _parameters(t["function"])}}
+             for t in tools]
+    return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": calls}}
 
 
 def _check_tools(tools: list[Any]) -> list[dict[str, Any]]:

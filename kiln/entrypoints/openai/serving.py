@@ -23,6 +23,7 @@ from typing import Any
 from kiln.engine.outputs import StreamDelta, TokenLogprobs
 from kiln.engine.detokenizer import token_bytes, token_text_after
 from kiln.engine.request import SamplingParams
+from kiln.engine.structured import structured_shape
 from kiln.entrypoints.async_engine import AsyncEngine, RequestTimes
 from kiln.entrypoints.chat import render_chat
 from kiln.entrypoints.openai.metrics import ServerMetrics
@@ -36,7 +37,7 @@ from kiln.entrypoints.openai.protocol import (
     tool_use,
 )
 from kiln.entrypoints.openai.reasoning import CONTENT, REASONING, ReasoningStream, reasoning_stream, split_reasoning
-from kiln.entrypoints.openai.tool_parsers import ToolCall, ToolCallStream, parse, tool_parser
+from kiln.entrypoints.openai.tool_parsers import ForcedCalls, ToolCall, ToolCallStream, parse, tool_parser
 
 __all__ = ["Choice", "OpenAIServing"]
 
@@ -284,6 +285,8 @@ class OpenAIServing:
         return tool_use(req, self.tool_call_parser)
 
     def _tool_parser(self, use: ToolUse) -> ToolCallStream | None:
+        if use.forced:
+            return ForcedCalls(use.named)
         return self._tool_parser_class() if use.parse and self._tool_parser_class is not None else None
 
     def chat_choices(self, req: ChatCompletionRequest) -> list[Choice]:
@@ -298,11 +301,25 @@ class OpenAIServing:
         max_tokens = self._fits(ids, req.max_completion_tokens if req.max_completion_tokens is not None
                                 else req.max_tokens)
         params = sampling_params(req, self.defaults, max_tokens, chat_logprobs(req))
+        if use.forced:
+            params = self._forced(params, use)
         if (use.parse or self.reasoning_parser) and req.skip_special_tokens is None:
             # as vLLM does: some vocabularies make <tool_call> or <think> special tokens, which the text would
             # leave out
             params = replace(params, skip_special_tokens=False)
         return self._choices([(ids, None)], params, req.n, req.cache_salt)
+
+    @staticmethod
+    def _forced(params: SamplingParams, use: ToolUse) -> SamplingParams:
+        """A forced call's answer is decoded under the calls' schema."""
+        if params.structured is not None:
+            raise APIError("tool_choice 'required' or a named function already constrains the answer; drop "
+                           "response_format", param="response_format")
+        try:
+            structured_shape(use.schema)  # type: ignore[arg-type]
+        except ValueError as e:
+            raise APIError(f"tools: a function's parameters: {e}", param="tools") from None
+        return replace(params, structured=use.schema)
 
     def _chat_logprobs(self, lps: list[TokenLogprobs], token_ids: list[int], prior: list[int]) -> dict[str, Any]:
         """Logprobs of ``token_ids``, which follow the tokens ``prior``."""
@@ -328,7 +345,8 @@ class OpenAIServing:
         calls = parsed.tool_calls if use.parallel else parsed.tool_calls[:1]
         if not calls:
             return {**message, "content": parsed.content}, choice.finish_reason
-        reason = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
+        # OpenAI's: a named function's call finishes with "stop"
+        reason = "tool_calls" if choice.finish_reason == "stop" and use.named is None else choice.finish_reason
         return {**message, "content": parsed.content, "tool_calls": [c.to_openai() for c in calls]}, reason
 
     async def chat(self, req: ChatCompletionRequest) -> dict[str, Any]:
@@ -367,7 +385,8 @@ class OpenAIServing:
                                                 "finish_reason": None}]})
                 lps = None  # a step's logprobs go with its first chunk
             if delta.finished:
-                reason = "tool_calls" if stream.calls and delta.finish_reason == "stop" else delta.finish_reason
+                reason = ("tool_calls" if stream.calls and delta.finish_reason == "stop" and use.named is None
+                          else delta.finish_reason)
                 yield sse({**head, "choices": [{"index": choice.index, "delta": {}, "logprobs": None,
                                                 "finish_reason": reason}]})
         if req.stream_options is not None and req.stream_options.include_usage:

@@ -28,7 +28,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TOOL_PARSERS", "ParsedOutput", "ToolCall", "ToolCallStream", "parse", "tool_parser"]
+__all__ = ["TOOL_PARSERS", "ForcedCalls", "ParsedOutput", "ToolCall", "ToolCallStream", "parse", "tool_parser"]
 
 
 def _call_id() -> str:
@@ -191,6 +191,37 @@ class _Llama3JsonStream(ToolCallStream):
             if call is None:
                 return None
             calls.append(call)
+
+
+class ForcedCalls(ToolCallStream):
+    """The answer to a forced call (``tool_choice`` ``required`` or a named
+    function), decoded under the calls' JSON Schema: held whole, then read as
+    a JSON array of ``{"name", "parameters"}`` calls, or as the named
+    function's arguments. An answer that does not read so (the budget ran
+    out) is content."""
+
+    def __init__(self, named: str | None = None) -> None:
+        super().__init__()
+        self.named = named
+        self._buf = ""
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        self._buf += text
+        return []
+
+    def finish(self) -> list[str | ToolCall]:
+        text, self._buf = self._buf, ""
+        if not text.strip():
+            return [text] if text else []
+        if self.named is not None:
+            return [self._emit(ToolCall(self.named, text.strip()))]
+        try:
+            calls = [_call_from(c, ("parameters", "arguments")) for c in json.loads(text)]
+        except (json.JSONDecodeError, TypeError):
+            return [text]
+        if not calls or any(c is None for c in calls):
+            return [text]
+        return [self._emit(c) for c in calls if c is not None]
 
 
 def _partial_suffix(text: str, marker: str) -> int:
