@@ -129,11 +129,11 @@ class ModelRunner:
         suppressed = [s.suppressed for s in sampling]
         constraints = [s.constraint for s in sampling]
         # a step of greedy rows alone: their tokens without the fp32 logits (kiln.compiler.greedy_head)
-        argmax = self.greedy_tokens is not None and Sampler.argmax_only(params, suppressed, constraints)
+        argmax = self.greedy_tokens is not None and Sampler.argmax_only(params, suppressed)
         tokens = self.greedy_tokens(rows) if argmax else None
         if tokens is not None:
             t2 = time.perf_counter()
-            sampled = SamplerOutput(tokens)
+            sampled = SamplerOutput(self._keep_structures(rows, params, tokens, constraints))
         else:
             logits = self.compute_logits(rows)
             t2 = time.perf_counter()
@@ -147,6 +147,22 @@ class ModelRunner:
         st.model_seconds += t2 - t1
         st.sample_seconds += t3 - t2
         return sampled
+
+    def _keep_structures(self, rows: torch.Tensor, params: list[SamplingParams], tokens: list[int],
+                         constraints: list[Any]) -> list[int]:
+        """Greedy tokens with each structured row's argmax that its automaton
+        refuses replaced by its most likely allowed token: the logits of those
+        rows alone are computed (one row in a batch of 16 that refuses its
+        argmax must not cost the batch's whole fp32 head)."""
+        refused = [i for i, (c, t) in enumerate(zip(constraints, tokens)) if c is not None and not c.allows(t)]
+        if not refused:
+            return tokens
+        logits = self.compute_logits(rows[torch.tensor(refused, device=rows.device)])
+        chosen = self.sampler(logits, [params[i] for i in refused], [0] * len(refused),
+                              constraints=[constraints[i] for i in refused]).tokens
+        for i, token in zip(refused, chosen):
+            tokens[i] = token
+        return tokens
 
     def _dispatch(self, shape: StepShape) -> Dispatch:
         if self.dispatcher is None:

@@ -440,13 +440,20 @@ class Sampler:
         self.workspace = Workspace()
 
     @staticmethod
-    def argmax_only(params: list[SamplingParams], suppressed: Sequence[Sequence[int]] | None = None,
-                    constraints: Sequence[TokenConstraint | None] | None = None) -> bool:
+    def argmax_only(params: list[SamplingParams], suppressed: Sequence[Sequence[int]] | None = None) -> bool:
         """Whether these rows' tokens are each row's argmax of the raw logits
         and nothing else: all greedy, none asking for logprobs, none with a
-        logit bias, a penalty, tokens it may not pick yet or a structure to keep."""
+        logit bias, a penalty or tokens it may not pick yet. (A row that keeps
+        a structure takes its argmax too where its automaton allows it:
+        ``allowed``.)"""
         return (all(p.greedy and p.logprobs is None and not p.changes_logits for p in params)
-                and not any(suppressed or ()) and not any(c is not None for c in constraints or ()))
+                and not any(suppressed or ()))
+
+    @staticmethod
+    def allowed(tokens: Sequence[int], constraints: Sequence[TokenConstraint | None] | None) -> bool:
+        """Whether each structured row may take its token: a greedy row's argmax
+        that its automaton allows is the token its masked logits would give."""
+        return all(c is None or c.allows(t) for c, t in zip(constraints or (), tokens))
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
                  histories: Sequence[History | None] | None = None,
@@ -458,11 +465,13 @@ class Sampler:
         ``suppressed[i]`` the tokens it may not pick this step, ``constraints[i]``
         the automaton of a structured request (its row keeps only the tokens it
         allows). Log-probabilities cost nothing unless a row asks for them."""
-        if self.argmax_only(params, suppressed, constraints):
+        if self.argmax_only(params, suppressed):
             # the largest of bf16 values is the largest of their fp32 copies, which
             # a batch-1 bf16 decode step of the demo model made in 0.08 ms
             tokens = self.native_argmax(logits) if self.native_argmax is not None else None
-            return SamplerOutput(tokens if tokens is not None else argmax_rows(logits).tolist())
+            tokens = tokens if tokens is not None else argmax_rows(logits).tolist()
+            if self.allowed(tokens, constraints):
+                return SamplerOutput(tokens)
         logits = logits.float()
         if any(p.changes_logits for p in params) or any(suppressed or ()):
             logits = self._change_logits(logits, params, histories, suppressed)

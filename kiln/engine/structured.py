@@ -17,11 +17,14 @@ greedy row's token is thus exactly the most likely token that keeps the JSON
 valid. A sampled row draws among the most likely valid tokens rather than all
 of them; the probability beyond the first 64 of a step is small where a model
 writes JSON. Only when none of the candidates is valid is the whole vocabulary
-walked, most likely first, until valid tokens are found. A candidate costs
-microseconds (its bytes through the automaton): the demo model's greedy
-decode at batch 1 took 26.8 ms a token in JSON mode against 24.5 free (a
-scratch run). vLLM masks the whole vocabulary with a compiled grammar instead
-(xgrammar); kiln has no such dependency.
+walked, most likely first, until valid tokens are found. A greedy row whose
+argmax the automaton allows takes it without a mask (``Sampler.allowed``; the
+runner's LM-head screen keeps serving it). On the demo model a greedy answer
+kept to a JSON object cost 19.2 ms a token against 19.2 free at one request,
+2.14 against 2.10 at 16 (``python -m bench.structured``,
+bench/results/structured-cpu-20261207-222016.json). vLLM masks the whole
+vocabulary with a compiled grammar instead (xgrammar); kiln has no such
+dependency.
 
 Runs of whitespace are capped (``MAX_WHITESPACE`` bytes), so a model cannot
 fill its budget with newlines, a failure mode of JSON mode that grammar

@@ -131,6 +131,21 @@ def test_the_mask_keeps_the_allowed_candidates_and_then_only_the_end() -> None:
     assert endless.state.done and endless.allows(6) and not endless.allows(0)
 
 
+def test_the_sampler_takes_a_greedy_rows_argmax_when_its_automaton_allows_it() -> None:
+    from kiln.engine.sampler import Sampler
+
+    sampler = Sampler(torch.device("cpu"))
+    greedy = [SamplingParams(temperature=0)] * 2
+    logits = torch.zeros(2, len(TOY))
+    logits[0, 11], logits[0, 10] = 5.0, 4.0  # "{}" first: allowed
+    logits[1, 10], logits[1, 0] = 5.0, 4.0  # "x" first: not allowed, "{" next
+    constraints = [TokenConstraint(TOY, ends=[EOS]), TokenConstraint(TOY, ends=[EOS])]
+    before = logits.clone()
+    assert sampler(logits, greedy, [0, 0], constraints=constraints).tokens == [11, 0]
+    assert torch.equal(logits, before)  # masked in the sampler's buffer, not the caller's logits
+    assert Sampler.allowed([11, 10], [constraints[0], None]) and not Sampler.allowed([10], constraints[:1])
+
+
 def test_when_no_candidate_is_valid_the_vocabulary_is_searched() -> None:
     vocab = [b"x"] * (CANDIDATES * 3) + [b"{"]  # the one valid token is the least likely
     row = torch.linspace(10, 0, len(vocab))
@@ -358,3 +373,32 @@ def test_no_prefix_the_automaton_accepts_is_a_dead_end(schema) -> None:
                 break
             text += rng.choice(options)
             assert state.feed(text[-1:])
+
+
+def test_with_the_greedy_screen_only_rows_that_refuse_their_argmax_get_logits() -> None:
+    """Where the runner takes greedy tokens without logits (the fp32 head's
+    bf16 screen), a structured row whose argmax its automaton refuses has its
+    own row's logits computed, not the batch's."""
+    engine = make_engine(eos=(31,), vocab_bytes=lambda: ENGINE_VOCAB)
+    runner = engine.runner
+    computed: list[int] = []
+    head = runner.compute_logits
+
+    def counted(rows):
+        computed.append(rows.shape[0])
+        return head(rows)
+
+    runner.compute_logits = counted
+    runner.greedy_tokens = lambda rows: head(rows).argmax(dim=-1).tolist()  # the screen's answer, exactly
+    engine.add_request("json", [10, 11, 12], SamplingParams(max_tokens=12, temperature=0, structured="json_object"))
+    engine.add_request("free", [10, 11, 12], SamplingParams(max_tokens=12, temperature=0))
+    results = run(engine)
+    assert results["free"][0] == _free_tokens()
+    text = b"".join(ENGINE_VOCAB[t] for t in results["json"][0] if t != 31).decode()
+    assert _accepts(text)[0] and computed and set(computed) == {1}  # one row's logits at a time
+
+
+def _free_tokens() -> list[int]:
+    engine = make_engine(eos=(31,))
+    engine.add_request("free", [10, 11, 12], SamplingParams(max_tokens=12, temperature=0))
+    return run(engine)["free"][0]
