@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from kiln.checkpoint.demo import ensure_random_model
+from kiln.engine.structured import JsonAutomaton, structured_shape
 
 
 def _kiln(args: list[str], cache: Path) -> subprocess.CompletedProcess:
@@ -60,6 +61,22 @@ def test_flags_are_checked_before_loading(tmp_path: Path) -> None:
     assert "does not exist" not in proc.stderr and "Traceback" not in proc.stderr
     proc = _kiln(["generate", "--model", str(tmp_path / "nope"), "--presence-penalty", "3"], tmp_path)
     assert proc.returncode == 2 and "--presence-penalty must be in [-2, 2] (0 disables it), got 3.0" in proc.stderr
+    (tmp_path / "odd.json").write_text('{"type": "object", "not": {}}')
+    proc = _kiln(["generate", "--model", str(tmp_path / "nope"), "--json-schema", str(tmp_path / "odd.json")],
+                 tmp_path)
+    assert proc.returncode == 2 and "--json-schema: schema.not is not supported" in proc.stderr
+    proc = _kiln(["generate", "--model", str(tmp_path / "nope"), "--json-schema", str(tmp_path / "none.json")],
+                 tmp_path)
+    assert proc.returncode == 2 and f"--json-schema: cannot read {tmp_path / 'none.json'}" in proc.stderr
+
+
+def test_generate_json_keeps_the_answer_to_an_object(demo_tokenizer_dir: Path) -> None:
+    cache = demo_tokenizer_dir.parent.parent
+    proc = _kiln(["generate", "--model", "random-demo", "-O0", "--chat", "--prompt", "JSON please", "--json",
+                  "--max-tokens", "24"], cache)
+    assert proc.returncode == 0, proc.stderr
+    state = JsonAutomaton(structured_shape("json_object"))
+    assert state.feed(proc.stdout.removesuffix("\n").encode("utf-8")), proc.stdout
 
 
 def test_a_bad_config_value_is_one_line_naming_file_and_field(llama_checkpoint, tmp_path: Path) -> None:

@@ -96,6 +96,10 @@ def _add_run_options(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (default 0, off)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", dest="structured", action="store_const", const="json_object", default=None,
+                   help="keep the answer to a JSON object")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="keep the answer to a value of the JSON Schema in FILE")
 
 
 def _sampling_params(args: argparse.Namespace) -> Any:
@@ -107,15 +111,31 @@ def _sampling_params(args: argparse.Namespace) -> Any:
                             top_p=args.top_p, min_p=args.min_p, min_tokens=args.min_tokens,
                             repetition_penalty=args.repetition_penalty,
                             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                            seed=args.seed, ignore_eos=args.ignore_eos)
+                            seed=args.seed, ignore_eos=args.ignore_eos,
+                            structured=_json_schema(args.json_schema) or args.structured)
     try:
         params.validate("SamplingParams")
     except ValueError as e:
-        message = str(e)
+        message = str(e).replace("SamplingParams.structured", "--json-schema")
         for f in dataclasses.fields(params):
             message = message.replace(f"SamplingParams.{f.name}", "--" + f.name.replace("_", "-"))
         raise ValueError(message) from None
     return params
+
+
+def _json_schema(path: str | None) -> dict[str, Any] | None:
+    """``--json-schema FILE``: the schema, or a ValueError naming the file."""
+    if path is None:
+        return None
+    try:
+        schema = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ValueError(f"--json-schema: cannot read {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--json-schema: {path} is not JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema: {path} must hold a JSON Schema object, got {type(schema).__name__}")
+    return schema
 
 
 def _load_options(args: argparse.Namespace) -> dict[str, Any]:
