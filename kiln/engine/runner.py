@@ -22,6 +22,7 @@ from kiln.config import CUDAGraphMode
 from kiln.engine.input_batch import InputBatch, StepShape
 from kiln.engine.request import SamplingParams
 from kiln.engine.sampler import Sampler, SamplerOutput
+from kiln.engine.structured import TokenConstraint
 from kiln.engine.scheduler import SchedulerOutput
 from kiln.forward_context import BatchDescriptor, ForwardContext, set_forward_context
 from kiln.graphs import CUDAGraphDispatcher, CUDAGraphWrapper, Dispatch, GraphCapturer, NotCapturable, capture_session
@@ -149,7 +150,7 @@ class ModelRunner:
         return sampled
 
     def _keep_structures(self, rows: torch.Tensor, params: list[SamplingParams], tokens: list[int],
-                         constraints: list[Any]) -> list[int]:
+                         constraints: list[TokenConstraint | None]) -> list[int]:
         """Greedy tokens with each structured row's argmax that its automaton
         refuses replaced by its most likely allowed token: the logits of those
         rows alone are computed (one row in a batch of 16 that refuses its
