@@ -22,8 +22,8 @@ from kiln.config import CUDAGraphMode
 from kiln.engine.input_batch import InputBatch, StepShape
 from kiln.engine.request import SamplingParams
 from kiln.engine.sampler import Sampler, SamplerOutput
-from kiln.engine.structured import TokenConstraint
 from kiln.engine.scheduler import SchedulerOutput
+from kiln.engine.structured import TokenConstraint
 from kiln.forward_context import BatchDescriptor, ForwardContext, set_forward_context
 from kiln.graphs import CUDAGraphDispatcher, CUDAGraphWrapper, Dispatch, GraphCapturer, NotCapturable, capture_session
 from kiln.models import CausalLM
