@@ -77,11 +77,13 @@ def test_chat_repl_through_a_pipe_answers_and_keeps_history(smollm2, tmp_path) -
     assert prompt_tokens[1] > prompt_tokens[0] + 10  # the second turn carries the first
 
 
-def test_answers_kept_to_a_json_schema_and_to_any_object(smollm2) -> None:
+@pytest.mark.parametrize("level", [0, 2])
+def test_answers_kept_to_a_json_schema_and_to_any_object(smollm2, level) -> None:
     """The real model asked for JSON: its greedy answer under a schema is an
     instance of it (asked freely, it wrapped its JSON in a code fence with a
-    trailing comma, a scratch run)."""
-    rt = Runtime.load(smollm2, optimization_level=0)
+    trailing comma, a scratch run). At -O2 a greedy row's argmax comes from the
+    LM head's bf16 screen where the automaton allows it."""
+    rt = Runtime.load(smollm2, optimization_level=level)
     schema = {"type": "object", "required": ["city", "country", "population", "landmarks"],
               "properties": {"city": {"type": "string"}, "country": {"type": "string"},
                              "population": {"type": "integer"},
