@@ -286,7 +286,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kiln.entrypoints.openai.server import serve
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_PARSERS)})")
     template = _chat_template(args.chat_template)
     options = _load_options(args)
     parse_options(args.model, **options)  # a bad option fails now, not after the port opened
@@ -321,7 +321,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="parse the tool calls a chat answer writes into OpenAI's tool_calls when a request offers "
-                        "tools: hermes (<tool_call> blocks: Qwen2.5, Qwen3, Hermes) or llama3_json (Llama 3.1+)")
+                        "tools: hermes (<tool_call> blocks: Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1+) or "
+                        "mistral ([TOOL_CALLS])")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted as vLLM takes it; --tool-call-parser alone enables tool_choice 'auto'")
     p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),

@@ -115,6 +115,28 @@ def test_llama3_json_streams_plain_text_at_once_and_keeps_json_that_is_no_call()
 
 
 def test_an_unknown_parser_is_named_with_the_choices() -> None:
-    with pytest.raises(ValueError, match=r"'xml'.*hermes, llama3_json"):
+    with pytest.raises(ValueError, match=r"'xml'.*hermes, llama3_json, mistral"):
         tool_parser("xml")
     assert tool_parser("hermes") is HERMES
+
+
+MISTRAL = TOOL_PARSERS["mistral"]
+
+
+@pytest.mark.parametrize("text", [
+    'Let me check.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+    '{"name": "get_time", "arguments": {"tz": "CET"}}]',
+    'Let me check.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"tz": "CET"}',
+])
+def test_mistral_calls_in_both_of_its_formats(text: str) -> None:
+    out = parse(MISTRAL(), text)
+    assert out.content == "Let me check."
+    assert _signature(out.tool_calls) == [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
+    content, calls = _streamed(MISTRAL, text, [1] * len(text))
+    assert content == out.content and _signature(calls) == _signature(out.tool_calls)
+
+
+def test_mistral_keeps_what_is_not_a_call() -> None:
+    for text in ("Plain [TOOL answer", "[TOOL_CALLS] not json", '[TOOL_CALLS]f[ARGS]{"x": ', "[TOOL_CALLS] [1, 2]"):
+        out = parse(MISTRAL(), text)
+        assert out.content == text and out.tool_calls == []

@@ -229,8 +229,8 @@ def tool_use(req: ChatCompletionRequest, parser: str | None) -> ToolUse:
                        param="tool_choice")
     if parser is None:
         raise APIError("tool_choice 'auto' (the default when tools are given) needs the server started with "
-                       "--tool-call-parser (hermes or llama3_json); send tool_choice 'none' to answer without "
-                       "tools", param="tool_choice")
+                       "--tool-call-parser (hermes, llama3_json or mistral); send tool_choice 'none' to answer "
+                       "without tools", param="tool_choice")
     return ToolUse(tools, parse=True, parallel=req.parallel_tool_calls is not False)
 
 

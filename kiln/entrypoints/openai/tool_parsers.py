@@ -9,7 +9,10 @@ offers ``tools`` and the server was started with ``--tool-call-parser``
   blocks, anywhere in the text (Qwen2.5, Qwen3, Hermes, SmolLM's tool data);
 - ``llama3_json``: the whole answer is one or more ``{"name": ...,
   "parameters": {...}}`` objects separated by ``;`` (Llama 3.1-3.3 with JSON
-  tools), optionally after ``<|python_tag|>``.
+  tools), optionally after ``<|python_tag|>``;
+- ``mistral``: ``[TOOL_CALLS]`` then a JSON array of ``{"name",
+  "arguments"}`` (Mistral 7B v0.3, Mixtral), or ``[TOOL_CALLS]name[ARGS]{...}``
+  per call (later Mistral tokenizers); text before it is content.
 
 Both parse a stream: ``ToolCallStream.feed`` takes the text deltas as they come
 and returns content to send on, holding back only what could still be the
@@ -224,6 +227,53 @@ class ForcedCalls(ToolCallStream):
         return [self._emit(c) for c in calls if c is not None]
 
 
+class _MistralStream(ToolCallStream):
+    """Content until ``[TOOL_CALLS]``; everything after it is held and read at the end."""
+
+    TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._buf = ""
+        self._calling = False
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        self._buf += text
+        if self._calling:
+            return []
+        start = self._buf.find(self.TAG)
+        if start >= 0:
+            out, self._buf, self._calling = self._buf[:start], self._buf[start + len(self.TAG):], True
+        else:
+            keep = _partial_suffix(self._buf, self.TAG)
+            out, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+        return [out] if out else []
+
+    def finish(self) -> list[str | ToolCall]:
+        text, self._buf = self._buf, ""
+        if not self._calling:
+            return [text] if text else []
+        calls = self._calls(text)
+        return [self._emit(c) for c in calls] if calls else [self.TAG + text]
+
+    def _calls(self, text: str) -> list[ToolCall] | None:
+        if text.lstrip().startswith("["):  # a JSON array of calls
+            try:
+                found = [_call_from(c, ("arguments", "parameters")) for c in json.loads(text)]
+            except (json.JSONDecodeError, TypeError):
+                return None
+        else:  # name[ARGS]{...}, each call after its own [TOOL_CALLS]
+            found = []
+            for part in text.split(self.TAG):
+                name, sep, args = part.partition(self.ARGS)
+                try:
+                    found.append(_call_from({"name": name.strip(), "arguments": json.loads(args)}, ("arguments",))
+                                 if sep else None)
+                except json.JSONDecodeError:
+                    return None
+        return found if found and all(c is not None for c in found) else None  # type: ignore[return-value]
+
+
 def _partial_suffix(text: str, marker: str) -> int:
     """The length of the longest end of ``text`` that begins ``marker``."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -232,7 +282,8 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-TOOL_PARSERS: dict[str, type[ToolCallStream]] = {"hermes": _HermesStream, "llama3_json": _Llama3JsonStream}
+TOOL_PARSERS: dict[str, type[ToolCallStream]] = {"hermes": _HermesStream, "llama3_json": _Llama3JsonStream,
+                                                 "mistral": _MistralStream}
 
 
 def tool_parser(name: str) -> type[ToolCallStream]:
