@@ -104,6 +104,11 @@ def render_chat(tokenizer: Any, messages: Any, chat_template_kwargs: dict[str, A
         if not any("tools" in t for t in named):
             logger.warning("the chat template does not mention 'tools': the model will not see the tools offered")
         kwargs["tools"] = tools
-    text = tokenizer.apply_chat_template(checked, tokenize=False, add_generation_prompt=True,
-                                         chat_template=chat_template, **kwargs)
+    from jinja2 import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(checked, tokenize=False, add_generation_prompt=True,
+                                             chat_template=chat_template, **kwargs)
+    except TemplateError as e:  # the template's own raise_exception, or a template that cannot render these
+        raise ValueError(f"the chat template refused the messages: {e}") from None
     return list(tokenizer.encode(text, add_special_tokens=False))

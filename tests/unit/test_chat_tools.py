@@ -140,6 +140,12 @@ def test_bad_earlier_calls(caplog) -> None:
         validate_messages([{"role": "user", "content": None}])
 
 
+def test_a_template_that_refuses_the_messages_is_a_value_error_naming_it(tokenizer) -> None:
+    strict = "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}"
+    with pytest.raises(ValueError, match="the chat template refused the messages: Tool call IDs should be"):
+        render_chat(tokenizer, [{"role": "user", "content": "hi"}], chat_template=strict)
+
+
 def test_a_given_template_replaces_the_tokenizers_and_one_without_tools_warns(tokenizer, caplog) -> None:
     messages = [{"role": "user", "content": "hi"}]
     with caplog.at_level(logging.WARNING):

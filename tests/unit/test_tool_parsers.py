@@ -134,6 +134,7 @@ def test_mistral_calls_in_both_of_its_formats(text: str) -> None:
     assert _signature(out.tool_calls) == [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
     content, calls = _streamed(MISTRAL, text, [1] * len(text))
     assert content == out.content and _signature(calls) == _signature(out.tool_calls)
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in out.tool_calls)  # what Mistral's templates take back
 
 
 def test_mistral_keeps_what_is_not_a_call() -> None:

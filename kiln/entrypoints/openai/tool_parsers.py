@@ -26,12 +26,17 @@ the model wrote is lost.
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import uuid
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = ["TOOL_PARSERS", "ForcedCalls", "ParsedOutput", "ToolCall", "ToolCallStream", "parse", "tool_parser"]
+
+
+_ALNUM = string.ascii_letters + string.digits
 
 
 def _call_id() -> str:
@@ -271,7 +276,10 @@ class _MistralStream(ToolCallStream):
                                  if sep else None)
                 except json.JSONDecodeError:
                     return None
-        return found if found and all(c is not None for c in found) else None  # type: ignore[return-value]
+        if not found or any(c is None for c in found):
+            return None
+        # Mistral's templates take back only ids of 9 letters and digits
+        return [replace(c, id="".join(secrets.choice(_ALNUM) for _ in range(9))) for c in found]  # type: ignore[arg-type]
 
 
 def _partial_suffix(text: str, marker: str) -> int:
