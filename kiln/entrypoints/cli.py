@@ -96,10 +96,11 @@ def _add_run_options(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (default 0, off)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--json", dest="structured", action="store_const", const="json_object", default=None,
-                   help="keep the answer to a JSON object")
-    p.add_argument("--json-schema", default=None, metavar="FILE",
-                   help="keep the answer to a value of the JSON Schema in FILE")
+    structured = p.add_mutually_exclusive_group()
+    structured.add_argument("--json", dest="structured", action="store_const", const="json_object", default=None,
+                            help="keep the answer to a JSON object")
+    structured.add_argument("--json-schema", default=None, metavar="FILE",
+                            help="keep the answer to a value of the JSON Schema in FILE")
 
 
 def _sampling_params(args: argparse.Namespace) -> Any:
