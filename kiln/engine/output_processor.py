@@ -1,6 +1,10 @@
 """From engine outputs (token ids, finish reasons) to what users read: text,
 stop strings, and one output collector per request.
 
+The token that ends a request (EOS, or one of its stop token ids) stays in its
+token ids but not in its text, unless ``include_stop_str_in_output``, as in
+vLLM.
+
 Each request's collector merges what arrived since its consumer last looked, so
 any number of consumers can interleave, or pause, and each still gets all of its
 own text and tokens exactly once (``take``). A stop string found in the text
@@ -63,7 +67,12 @@ class OutputProcessor:
             if state is None or state.finish_reason is not None:
                 continue  # released, or already finished by a stop string
             finish = out.finish_reason
-            state.detok.add(out.new_token_ids, final=finish is not None)
+            text_ids = out.new_token_ids
+            if finish == "stop" and text_ids and not state.detok.include_stop:
+                # the engine stops a request at EOS or a stop token id: that token ends the text and is not in it
+                # (as vLLM: a special EOS is left out anyway, but not with skip_special_tokens=False)
+                text_ids = text_ids[:-1]
+            state.detok.add(text_ids, final=finish is not None)
             if state.detok.stopped and finish is None:
                 finish = "stop"
                 to_abort.append(out.request_id)

@@ -147,3 +147,23 @@ def test_include_stop_str_in_output_and_special_tokens_in_the_text() -> None:
         for t in ids[1:]:
             detok.add([t])
         assert tok.decode(ids[:1]) + detok.take(finished=True) == text
+
+
+def test_the_token_that_stops_a_request_is_not_in_its_text() -> None:
+    """EOS or a stop token id ends the text: with skip_special_tokens=False
+    (the server's default when it parses tool calls) a chat model's
+    <|im_end|> would otherwise close every answer's text."""
+    tok = LetterTokenizer()
+    for params, text in ((SamplingParams(skip_special_tokens=False), "cd"),
+                         (SamplingParams(stop_token_ids=[4]), "cd"),
+                         (SamplingParams(include_stop_str_in_output=True), "cde")):
+        processor = OutputProcessor(tok)
+        processor.add_request("a", None, [1], params)
+        processor.process(EngineOutputs([EngineOutput("a", [2])]))
+        out = processor.process(EngineOutputs([EngineOutput("a", [3, 4], "stop")]))
+        assert processor.get_output("a").text == text and processor.get_output("a").token_ids == [2, 3, 4]
+        assert out.deltas[-1].token_ids == [3, 4] and out.deltas[-1].finish_reason == "stop"
+    processor = OutputProcessor(tok)
+    processor.add_request("b", None, [1], SamplingParams())
+    processor.process(EngineOutputs([EngineOutput("b", [2, 3], "length")]))
+    assert processor.get_output("b").text == "cd"  # a length stop keeps its last token

@@ -303,9 +303,9 @@ class OpenAIServing:
         params = sampling_params(req, self.defaults, max_tokens, chat_logprobs(req))
         if use.forced:
             params = self._forced(params, use)
-        if (use.parse or self.reasoning_parser) and req.skip_special_tokens is None:
-            # as vLLM does: some vocabularies make <tool_call> or <think> special tokens, which the text would
-            # leave out
+        if use.parse and req.skip_special_tokens is None:
+            # as vLLM does: some vocabularies make <tool_call> or [TOOL_CALLS] special tokens, which the text
+            # would leave out
             params = replace(params, skip_special_tokens=False)
         return self._choices([(ids, None)], params, req.n, req.cache_salt)
 
