@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["IncrementalDetokenizer", "token_bytes", "token_text_after", "vocab_bytes"]
+__all__ = ["IncrementalDetokenizer", "token_bytes", "token_texts_after", "vocab_bytes"]
 
 _CONTEXT_TOKENS = 6
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
@@ -51,19 +51,22 @@ def token_bytes(tokenizer: Any, token_id: int) -> bytes:
     return text.encode("utf-8")
 
 
-def token_text_after(tokenizer: Any, context: Sequence[int], token_id: int) -> str:
-    """The text ``token_id`` adds after the tokens ``context`` (its last few
-    are enough), as logprobs name tokens: a SentencePiece token decoded alone
-    loses the space it starts with ("\u2581Paris" gives "Paris"), which in
-    context it adds (" Paris"). Where the context ends inside a UTF-8
+def token_texts_after(tokenizer: Any, context: Sequence[int], token_ids: Sequence[int]) -> list[str]:
+    """The text each of ``token_ids`` adds after the tokens ``context`` (its
+    last few are enough; the context is decoded once for them all), as
+    logprobs name a token and its alternatives: a SentencePiece token decoded
+    alone loses the space it starts with ("\u2581Paris" gives "Paris"), which
+    in context it adds (" Paris"). Where the context ends inside a UTF-8
     character, the token decoded alone (U+FFFD for a byte of one)."""
     window = list(context[-_CONTEXT_TOKENS:])
-    if window:
-        before = tokenizer.decode(window)
-        after = tokenizer.decode(window + [token_id])
-        if after.startswith(before) and not before.endswith("\ufffd"):
-            return after[len(before):]
-    return tokenizer.decode([token_id])
+    before = tokenizer.decode(window) if window else ""
+    if not window or before.endswith("\ufffd"):
+        return [tokenizer.decode([t]) for t in token_ids]
+    out = []
+    for t in token_ids:
+        after = tokenizer.decode(window + [t])
+        out.append(after[len(before):] if after.startswith(before) else tokenizer.decode([t]))
+    return out
 
 
 def vocab_bytes(tokenizer: Any, vocab_size: int) -> list[bytes | None]:

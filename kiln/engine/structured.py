@@ -34,6 +34,7 @@ engines guard against too. The output can still end unclosed when
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -312,12 +313,27 @@ def _array(stack: Stack, frame: tuple, b: int) -> list[Stack]:
 
 def structured_shape(structured: str | dict[str, Any]) -> Shape:
     """The shape ``SamplingParams.structured`` asks for: any object for
-    ``"json_object"``, else the JSON Schema's (ValueError naming what is wrong)."""
+    ``"json_object"``, else the JSON Schema's (ValueError naming what is wrong).
+    A request's schema is asked for by its validation, the server's checks
+    and its constraint: compiled once, by its JSON text (shapes are never
+    changed after compiling, so requests share them)."""
     if structured == "json_object":
-        return any_object()
+        return _ANY_OBJECT
     if isinstance(structured, dict):
-        return compile_schema(structured)
+        try:
+            text = json.dumps(structured, sort_keys=True)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"a JSON Schema must be JSON: {e}") from None
+        return _compiled(text)
     raise ValueError(f"must be 'json_object' or a JSON Schema (a dict), got {structured!r:.80}")
+
+
+@functools.lru_cache(maxsize=128)
+def _compiled(text: str) -> Shape:
+    return compile_schema(json.loads(text))
+
+
+_ANY_OBJECT = any_object()
 
 
 class TokenConstraint:

@@ -19,6 +19,8 @@ until they are known, as the tool call parsers do.
 
 from __future__ import annotations
 
+from kiln.entrypoints.openai.tool_parsers import partial_suffix
+
 __all__ = ["REASONING_PARSERS", "ReasoningStream", "reasoning_stream", "split_reasoning"]
 
 REASONING, CONTENT = "reasoning", "content"
@@ -55,7 +57,7 @@ class ReasoningStream:
                 self._opened = False
                 end = self._buf.find(self.END)
                 if end < 0:
-                    keep = _partial_suffix(self._buf, self.END)
+                    keep = partial_suffix(self._buf, self.END)
                     _add(out, REASONING, self._buf[:len(self._buf) - keep])
                     self._buf = self._buf[len(self._buf) - keep:]
                     return out
@@ -81,13 +83,6 @@ class ReasoningStream:
 def _add(out: list[tuple[str, str]], kind: str, text: str) -> None:
     if text:
         out.append((kind, text))
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
 
 
 REASONING_PARSERS: dict[str, bool] = {"qwen3": False, "deepseek_r1": True}  # name -> the answer starts inside

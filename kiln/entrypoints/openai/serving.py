@@ -16,12 +16,12 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kiln.engine.outputs import StreamDelta, TokenLogprobs
-from kiln.engine.detokenizer import token_bytes, token_text_after
+from kiln.engine.detokenizer import token_bytes, token_texts_after
 from kiln.engine.request import SamplingParams
 from kiln.engine.structured import structured_shape
 from kiln.entrypoints.async_engine import AsyncEngine, RequestTimes
@@ -69,7 +69,7 @@ def _usage(choices: list[Choice]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-# tokens of context for a logprob token's text (detokenizer.token_text_after takes its last few)
+# tokens of context for a logprob token's text (detokenizer.token_texts_after takes its last few)
 _CONTEXT = 6
 
 # What a log-probability of -inf (a token the filters removed) is sent as: JSON has no infinity, and vLLM
@@ -182,10 +182,17 @@ class OpenAIServing:
                 t.cancel()
             done.cancel()
 
-    def _token(self, context: Sequence[int], token_id: int) -> str:
-        """The token's text after ``context`` (the tokens before it), as logprobs name it."""
+    def _position_texts(self, prior: list[int], token_ids: list[int],
+                        lps: list[TokenLogprobs]) -> list[list[str]]:
+        """At each position of ``token_ids`` (which follow ``prior``), the text
+        of its token then of each alternative in ``lps``, as logprobs name them:
+        after the tokens before that position (its context decoded once)."""
         tokenizer = self.engine.tokenizer
-        return token_text_after(tokenizer, context, token_id) if tokenizer is not None else str(token_id)
+        out = []
+        for ctx, t, lp in zip(self._contexts(prior, token_ids), token_ids, lps):
+            ids = [t, *(i for i, _ in lp.top)]
+            out.append(token_texts_after(tokenizer, ctx, ids) if tokenizer is not None else [str(i) for i in ids])
+        return out
 
     @staticmethod
     def _contexts(prior: list[int], token_ids: list[int]) -> list[list[int]]:
@@ -229,13 +236,13 @@ class OpenAIServing:
                              prior: list[int]) -> dict:
         """Logprobs of ``token_ids``, which follow the tokens ``prior``; the
         first starts at character ``offset`` of the choice's text."""
-        contexts = self._contexts(prior, token_ids)
-        tokens = [self._token(ctx, t) for ctx, t in zip(contexts, token_ids)]
+        texts = self._position_texts(prior, token_ids, choice_lps)
+        tokens = [t[0] for t in texts]
         offsets = []
         for tok in tokens:
             offsets.append(offset)
             offset += len(tok)
-        top = [{self._token(ctx, t): _json_logprob(v) for t, v in lp.top} for ctx, lp in zip(contexts, choice_lps)]
+        top = [{text: _json_logprob(v) for text, (_, v) in zip(t[1:], lp.top)} for t, lp in zip(texts, choice_lps)]
         return {"tokens": tokens, "token_logprobs": [_json_logprob(lp.logprob) for lp in choice_lps],
                 "top_logprobs": top, "text_offset": offsets}
 
@@ -323,12 +330,12 @@ class OpenAIServing:
 
     def _chat_logprobs(self, lps: list[TokenLogprobs], token_ids: list[int], prior: list[int]) -> dict[str, Any]:
         """Logprobs of ``token_ids``, which follow the tokens ``prior``."""
-        def entry(context: list[int], token_id: int, logprob: float) -> dict[str, Any]:
-            return {"token": self._token(context, token_id), "logprob": _json_logprob(logprob),
-                    "bytes": list(self._token_bytes(token_id))}
+        def entry(text: str, token_id: int, logprob: float) -> dict[str, Any]:
+            return {"token": text, "logprob": _json_logprob(logprob), "bytes": list(self._token_bytes(token_id))}
 
-        return {"content": [{**entry(ctx, t, lp.logprob), "top_logprobs": [entry(ctx, i, v) for i, v in lp.top]}
-                            for ctx, t, lp in zip(self._contexts(prior, token_ids), token_ids, lps)]}
+        return {"content": [{**entry(texts[0], t, lp.logprob),
+                             "top_logprobs": [entry(text, i, v) for text, (i, v) in zip(texts[1:], lp.top)]}
+                            for texts, t, lp in zip(self._position_texts(prior, token_ids, lps), token_ids, lps)]}
 
     def _chat_message(self, choice: Choice, use: ToolUse) -> tuple[dict[str, Any], str | None]:
         """A finished choice's message and finish reason: its reasoning split

@@ -33,7 +33,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["TOOL_PARSERS", "ForcedCalls", "ParsedOutput", "ToolCall", "ToolCallStream", "parse", "tool_parser"]
+__all__ = ["TOOL_PARSERS", "ForcedCalls", "ParsedOutput", "ToolCall", "ToolCallStream", "parse", "partial_suffix",
+           "tool_parser"]
 
 
 _ALNUM = string.ascii_letters + string.digits
@@ -116,7 +117,7 @@ class _HermesStream(ToolCallStream):
                 continue
             start = self._buf.find(self.START)
             if start < 0:
-                keep = _partial_suffix(self._buf, self.START)
+                keep = partial_suffix(self._buf, self.START)
                 self._content(self._buf[:len(self._buf) - keep], out)
                 self._buf = self._buf[len(self._buf) - keep:]
                 return out
@@ -250,7 +251,7 @@ class _MistralStream(ToolCallStream):
         if start >= 0:
             out, self._buf, self._calling = self._buf[:start], self._buf[start + len(self.TAG):], True
         else:
-            keep = _partial_suffix(self._buf, self.TAG)
+            keep = partial_suffix(self._buf, self.TAG)
             out, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
         return [out] if out else []
 
@@ -282,7 +283,7 @@ class _MistralStream(ToolCallStream):
         return [replace(c, id="".join(secrets.choice(_ALNUM) for _ in range(9))) for c in found]  # type: ignore[arg-type]
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:  # also the reasoning parsers' hold-back
     """The length of the longest end of ``text`` that begins ``marker``."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:n]):
