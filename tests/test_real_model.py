@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,15 +39,21 @@ def smollm2() -> Path:
 
 
 @pytest.fixture(scope="session")
-def reference(smollm2: Path) -> dict[str, list[int]]:
-    """transformers' greedy tokens, from the same .gguf, in fp32."""
+def reference(smollm2: Path) -> dict[str, Any]:
+    """transformers' greedy tokens, from the same .gguf, in fp32, and the
+    log-softmax of its logits over the first prompt (its prompt logprobs)."""
+    import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(smollm2.parent), gguf_file=smollm2.name, torch_dtype="float32"
     ).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2.parent), gguf_file=smollm2.name)
-    return {p: hf_greedy(model, tokenizer.encode(p), GREEDY.max_tokens) for p in PROMPTS}
+    out: dict[str, Any] = {p: hf_greedy(model, tokenizer.encode(p), GREEDY.max_tokens) for p in PROMPTS}
+    with torch.no_grad():
+        logits = model(torch.tensor([tokenizer.encode(PROMPTS[0])])).logits[0]
+    out["log_softmax"] = torch.log_softmax(logits.float(), dim=-1)
+    return out
 
 
 @pytest.mark.parametrize("level", [0, 2])
@@ -57,6 +64,14 @@ def test_greedy_tokens_equal_transformers_on_the_same_file(smollm2, reference, l
     for prompt, out in zip(PROMPTS, outs):
         assert out.prompt_token_ids == rt.tokenizer.encode(prompt)
         assert out.token_ids == reference[prompt], prompt
+    # the prompt's logprobs, through the compiled LM head at -O2
+    ids = outs[0].prompt_token_ids
+    scored = rt.generate(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3))[0].prompt_logprobs
+    ref = reference["log_softmax"]
+    assert scored[0] is None and len(scored) == len(ids)
+    for i, lp in enumerate(scored[1:]):
+        assert lp.logprob == pytest.approx(ref[i, ids[i + 1]].item(), abs=1e-3)
+        assert [t for t, _ in lp.top] == ref[i].topk(3).indices.tolist()
     answer = rt.chat(QUESTION, SamplingParams(max_tokens=32, temperature=0))
     assert "Paris" in answer.text
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -179,3 +180,33 @@ def test_token_bytes_join_into_the_characters_tokens_split(demo_tokenizer_dir) -
             return self.pieces[token_id]
 
     assert [token_bytes(PieceTokenizer(), i) for i in range(3)] == [b"\xf0", b"\x9f", " café".encode()]
+
+
+def test_prompt_logprobs_equal_transformers_over_chunks_preemption_and_the_prefix_cache(llama_checkpoint) -> None:
+    """Each prompt token's logprob given the tokens before it, its rank and the
+    most likely tokens there, as transformers' log-softmax of the same logits
+    gives them: in one step, in chunks of 8 tokens with preemptions, and with a
+    prefix cache that holds the prompt (a request for prompt logprobs computes
+    it anyway)."""
+    path, model = llama_checkpoint
+    prompts = random_prompts(3, [9, 17, 30], model.config.vocab_size, seed=3)
+
+    def reference(prompt: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+
+    params = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2, ignore_eos=True)
+    for kwargs in ({}, {"max_num_batched_tokens": 8, "num_kv_blocks": 12, "block_size": 4},
+                   {"enable_prefix_caching": True}):
+        rt = load_eager(path, **kwargs)
+        for _ in range(2):  # the second round finds the prompts in the prefix cache
+            for out, prompt in zip(rt.generate(prompts, params), prompts):
+                ref = reference(prompt)
+                assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+                for i, lp in enumerate(out.prompt_logprobs[1:]):
+                    row, target = ref[i], prompt[i + 1]
+                    assert lp.logprob == pytest.approx(row[target].item(), abs=1e-5)
+                    assert lp.rank == int((row > row[target]).sum()) + 1
+                    assert [t for t, _ in lp.top] == row.topk(2).indices.tolist()
+                assert out.token_ids == rt.generate(prompt, replace(params, prompt_logprobs=None))[0].token_ids
+    assert rt.generate(prompts[0][:1], params)[0].prompt_logprobs == [None]  # nothing predicts a first token

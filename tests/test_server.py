@@ -165,6 +165,48 @@ def test_n_seeds_stop_and_logprobs(client, offline) -> None:
     assert len(legacy.choices[0].logprobs.token_logprobs) == 3
 
 
+def test_echo_with_logprobs_gives_the_prompts_logprobs(server, client, offline) -> None:
+    """lm-evaluation-harness's loglikelihood request (token ids, ``echo``,
+    ``logprobs=1``, ``max_tokens`` 0 or 1): the prompt's tokens first, the
+    first with no logprob, each top dict with the most likely token and the
+    prompt's own; vLLM's ``prompt_logprobs`` field too, streamed or not."""
+    ids = offline.tokenizer.encode(PROMPTS[3])
+    expected = offline.generate(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
+    prompt_text = offline.tokenizer.decode(ids)
+    for max_tokens in (0, 1):
+        r = client.completions.create(model=MODEL, prompt=ids, max_tokens=max_tokens, temperature=0, logprobs=1,
+                                      echo=True)
+        choice, lp = r.choices[0], r.choices[0].logprobs
+        n = len(ids) + max_tokens
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:len(ids)] == pytest.approx([p.logprob for p in expected.prompt_logprobs[1:]],
+                                                              abs=1e-4)
+        for top, p, logprob in zip(lp.top_logprobs[1:], expected.prompt_logprobs[1:], lp.token_logprobs[1:]):
+            assert max(top.values()) == pytest.approx(p.top[0][1], abs=1e-4) and logprob in top.values()
+            assert len(top) <= 2
+        assert choice.text == prompt_text + expected.text[:len(choice.text) - len(prompt_text)]
+        assert r.usage.completion_tokens == max_tokens and choice.finish_reason == "length"
+        assert len(choice.model_extra["prompt_logprobs"]) == len(ids)
+        chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=max_tokens, temperature=0,
+                                                logprobs=1, echo=True, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == choice.text
+        assert [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs] == (
+            lp.token_logprobs)
+    assert r.choices[0].text == prompt_text + expected.text
+    vllm = httpx.post(f"{server}/v1/completions", json={"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2}).json()
+    entries = vllm["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids) and vllm["choices"][0]["logprobs"] is None
+    for entry, token, p in zip(entries[1:], ids[1:], expected.prompt_logprobs[1:]):
+        assert entry[str(token)]["logprob"] == pytest.approx(p.logprob, abs=1e-4)
+        assert entry[str(token)]["rank"] == p.rank and 2 <= len(entry) <= 3
+        assert {e["rank"] for t, e in entry.items() if t != str(token)} <= {1, 2}
+    chat = httpx.post(f"{server}/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
 def _strict_json(text: str) -> dict:
     def refuse(constant: str) -> None:
         raise AssertionError(f"{constant} is not JSON")
@@ -249,6 +291,9 @@ def test_penalties_min_p_and_logit_bias_reach_the_sampler(client, offline) -> No
         ({"prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
         ({"prompt": "hi", "model": "gpt-17"}, 404, "model"),
         ({"max_tokens": 3}, 400, "prompt"),
+        ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo
+        ({"prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+        ({"prompt": "hi", "echo": True, "logprobs": 21}, 400, "logprobs"),
     ],
 )
 def test_completion_errors_use_the_envelope(server, body, status, param) -> None:

@@ -127,7 +127,7 @@ class Engine:
                 raise RuntimeError("the scheduler could not place any request in the KV cache")
             return EngineOutputs()
         sampled = self.runner.execute(sched)
-        outputs = self.scheduler.update(sched, sampled.tokens)
+        outputs = self.scheduler.update(sched, sampled.tokens, sampled.prompt_logprobs)
         if sampled.logprobs is not None:  # one row per sampling request, the order of ``outputs``
             outputs = [replace(o, logprobs=None if lp is None else [lp]) for o, lp in zip(outputs, sampled.logprobs)]
         self._generated_tokens += len(sampled.tokens)

@@ -38,6 +38,9 @@ class _RequestState:
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
     pending_finish: bool = False
+    # SamplingParams.prompt_logprobs: the prompt's, from the request's first token on
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    pending_prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -76,11 +79,15 @@ class OutputProcessor:
             if state.detok.stopped and finish is None:
                 finish = "stop"
                 to_abort.append(out.request_id)
-            deltas.append(self._record(out.request_id, state, out.new_token_ids, out.logprobs or [], finish))
+            if out.prompt_logprobs is not None:
+                state.prompt_logprobs = state.pending_prompt_logprobs = out.prompt_logprobs
+            deltas.append(self._record(out.request_id, state, out.new_token_ids, out.logprobs or [], finish,
+                                       out.prompt_logprobs))
         return ProcessedOutputs(deltas, to_abort)
 
     def _record(self, request_id: RequestId, state: _RequestState, new_ids: list[int],
-                logprobs: list[TokenLogprobs], finish: str | None) -> StreamDelta:
+                logprobs: list[TokenLogprobs], finish: str | None,
+                prompt_logprobs: list[TokenLogprobs | None] | None = None) -> StreamDelta:
         state.finish_reason = finish
         text = state.detok.take(finished=finish is not None)
         state.token_ids.extend(new_ids)
@@ -89,7 +96,8 @@ class OutputProcessor:
         state.pending_ids.extend(new_ids)
         state.pending_logprobs.extend(logprobs)
         state.pending_finish = finish is not None
-        return StreamDelta(request_id, text, list(new_ids), finish, list(logprobs) if state.wants_logprobs else None)
+        return StreamDelta(request_id, text, list(new_ids), finish, list(logprobs) if state.wants_logprobs else None,
+                           prompt_logprobs)
 
     def finish(self, request_id: RequestId, reason: str) -> StreamDelta | None:
         """Finish a request the engine ended without a step (an abort)."""
@@ -106,8 +114,9 @@ class OutputProcessor:
             return None
         delta = StreamDelta(request_id, state.pending_text, state.pending_ids,
                             state.finish_reason if state.pending_finish else None,
-                            state.pending_logprobs if state.wants_logprobs else None)
+                            state.pending_logprobs if state.wants_logprobs else None, state.pending_prompt_logprobs)
         state.pending_text, state.pending_ids, state.pending_logprobs, state.pending_finish = "", [], [], False
+        state.pending_prompt_logprobs = None
         return delta
 
     def finished(self, request_id: RequestId) -> bool:
@@ -123,6 +132,7 @@ class OutputProcessor:
             text=state.detok.text,
             finish_reason=state.finish_reason,
             logprobs=list(state.logprobs) if state.wants_logprobs else None,
+            prompt_logprobs=state.prompt_logprobs,
         )
 
     def release(self, request_id: RequestId) -> None:

@@ -20,6 +20,8 @@ class EngineOutput:
     new_token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
+    # with a request's first token, when it asked: one per prompt token, None for the first (nothing predicts it)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -69,6 +71,8 @@ class RequestOutput:
     text: str
     finish_reason: str | None  # "stop" | "length" | "abort"; None while running
     logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when asked
+    # one per prompt token when asked (SamplingParams.prompt_logprobs), None for the first
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -84,6 +88,8 @@ class StreamDelta:
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when asked
+    # the prompt's logprobs (as RequestOutput's), in the delta that brings the first token
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Hashable
 
 if TYPE_CHECKING:
+    from kiln.engine.sampler import TokenLogprobs
     from kiln.engine.structured import TokenConstraint
 
 __all__ = ["GREEDY_EPSILON", "RequestId", "SamplingParams", "Request", "RequestStatus"]
@@ -55,6 +56,11 @@ class SamplingParams:
     ``min_tokens`` new tokens none of these stop it (EOS and the stop token ids
     are not sampled, stop strings not looked for), as in vLLM. ``logprobs=k``
     returns each new token's log-probability and the ``k`` most likely ones.
+    ``prompt_logprobs=k`` returns, for each prompt token after the first, its
+    log-probability given the tokens before it and the ``k`` most likely
+    tokens there, on the model's raw distribution (no penalty, temperature or
+    filter), as vLLM's; such a request computes its whole prompt (the prefix
+    cache is not read for it).
     The text leaves special tokens out unless ``skip_special_tokens`` is False.
     ``structured="json_object"`` keeps the output to a JSON object, a dict
     (a JSON Schema) to a value of its shape (``kiln.engine.structured``; the
@@ -79,6 +85,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured: str | dict[str, Any] | None = None  # "json_object", or a JSON Schema: the output is kept to it
+    prompt_logprobs: int | None = None  # each prompt token's logprob and this many top ones there (<= 20)
 
     def validate(self, where: str = "SamplingParams") -> None:
         """Raise ValueError naming the first invalid field."""
@@ -102,8 +109,10 @@ class SamplingParams:
             raise ValueError(f"{where}.stop must be a string or a list of non-empty strings, got {stop!r}")
         if stop == "":
             raise ValueError(f"{where}.stop must not be empty")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"{where}.logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{where}.{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
         ids = self.stop_token_ids
         if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids)):
             raise ValueError(f"{where}.stop_token_ids must be a list of integers, got {ids!r}")
@@ -193,6 +202,8 @@ class Request:
     num_preemptions: int = 0
     # the automaton of a structured request (kiln.engine.structured.TokenConstraint): advanced with each token
     constraint: TokenConstraint | None = None
+    # prompt_logprobs: those of prompt tokens 1, 2, ... computed so far (kept over a preemption)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -205,6 +216,12 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether some prompt tokens' logprobs are still to compute (the prefix
+        cache must then not skip their positions)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
 
     @property
     def finished(self) -> bool:

@@ -4,7 +4,8 @@
 graph dispatcher (when graphs are installed) for the step's mode and padded
 size, builds the attention backend's metadata, runs the forward (the compiled
 pieces when there are some) inside a forward context, computes logits only for
-the rows that sample, and samples them.
+the rows that sample, and samples them; and, for requests that asked for their
+prompt's logprobs, the logits of their prompt rows, a slice at a time.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import torch
 from kiln.attention.backend import AttentionBackend
 from kiln.config import CUDAGraphMode
 from kiln.engine.input_batch import InputBatch, StepShape
-from kiln.engine.request import SamplingParams
-from kiln.engine.sampler import Sampler, SamplerOutput
+from kiln.engine.request import RequestId, SamplingParams
+from kiln.engine.sampler import Sampler, SamplerOutput, TokenLogprobs, prompt_logprobs
 from kiln.engine.scheduler import SchedulerOutput
 from kiln.engine.structured import TokenConstraint
 from kiln.forward_context import BatchDescriptor, ForwardContext, set_forward_context
@@ -29,9 +30,12 @@ from kiln.graphs import CUDAGraphDispatcher, CUDAGraphWrapper, Dispatch, GraphCa
 from kiln.models import CausalLM
 from kiln.progress import Progress
 
-__all__ = ["CaptureReport", "ModelRunner", "RunnerStats"]
+__all__ = ["CaptureReport", "ModelRunner", "RunnerOutput", "RunnerStats"]
 
 logger = logging.getLogger(__name__)
+
+# logits computed at once for prompt logprobs: rows x vocabulary fp32 values (32 MiB)
+PROMPT_LOGITS_VALUES = 1 << 23
 
 
 @dataclass
@@ -41,6 +45,17 @@ class RunnerStats:
     prepare_seconds: float = 0.0
     model_seconds: float = 0.0
     sample_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """What a step produced: a token (and its logprobs, when asked) per
+    sampling request in schedule order, and the prompt logprobs of the rows
+    each ``ScheduledRequest.prompt_logprobs`` named, by request."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: dict[RequestId, list[TokenLogprobs]] | None = None
 
 
 @dataclass(frozen=True)
@@ -103,9 +118,9 @@ class ModelRunner:
         self.sampler.native_argmax = _argmax_kernel(compiled)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> SamplerOutput:
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run the step; one sampled token (and its logprobs, when asked) per
-        sampling request, in schedule order."""
+        sampling request, in schedule order, and the prompt logprobs asked for."""
         t0 = time.perf_counter()
         shape = self.inputs.stage(sched)
         dispatch = self._dispatch(shape)
@@ -124,6 +139,7 @@ class ModelRunner:
             logger.info("no %s graph of %d tokens: %s", dispatch.mode.value, dispatch.num_tokens, e)
             self.dispatcher.drop(dispatch.num_tokens)  # type: ignore[union-attr]
             hidden = self._run(self._metadata(shape, shape.num_tokens, shape.num_reqs), _unpadded(shape))
+        prompt = self._prompt_logprobs(sched, hidden) if any(s.prompt_logprobs for s in sched.scheduled) else None
         rows = hidden[self.inputs.logits_indices.view(shape.num_samples)]
         sampling = [s for s in sched.scheduled if s.sampling is not None]
         params: list[SamplingParams] = [s.sampling for s in sampling]  # type: ignore[misc]
@@ -147,7 +163,26 @@ class ModelRunner:
         st.prepare_seconds += t1 - t0
         st.model_seconds += t2 - t1
         st.sample_seconds += t3 - t2
-        return sampled
+        return RunnerOutput(sampled.tokens, sampled.logprobs, prompt)
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor) -> dict[RequestId, list[TokenLogprobs]]:
+        """The prompt logprobs of the rows each scheduled request named: their
+        logits a slice of rows at a time (a 2048-token chunk's logits over a
+        151936-token vocabulary would be 1.2 GB at once)."""
+        out: dict[RequestId, list[TokenLogprobs]] = {}
+        offset = 0
+        for s in sched.scheduled:  # the step's tokens are the requests' chunks in schedule order
+            rows = s.prompt_logprobs
+            if rows is not None:
+                first, lps = offset + rows.first, []
+                size = max(1, PROMPT_LOGITS_VALUES // self.model.config.vocab_size)
+                for i in range(0, len(rows.targets), size):
+                    targets = rows.targets[i:i + size]
+                    logits = self.compute_logits(hidden[first + i:first + i + len(targets)])
+                    lps += prompt_logprobs(logits, targets, rows.k)
+                out[s.request_id] = lps
+            offset += s.num_tokens
+        return out
 
     def _keep_structures(self, rows: torch.Tensor, params: list[SamplingParams], tokens: list[int],
                          constraints: list[TokenConstraint | None]) -> list[int]:

@@ -22,7 +22,7 @@ from kiln.engine.structured import TokenConstraint
 
 __all__ = ["NUCLEUS_CANDIDATES", "NUCLEUS_STAGES", "Filters", "History", "Nucleus", "Sampler", "SamplerOutput",
            "TokenLogprobs", "apply_logit_changes", "apply_min_p", "apply_top_k_top_p", "argmax_rows", "draw",
-           "filter_logits", "nucleus", "prompt_tokens"]
+           "filter_logits", "nucleus", "prompt_logprobs", "prompt_tokens"]
 
 # A sampling row's tokens so far: (prompt, output), which its penalties read
 History = tuple[Sequence[int], Sequence[int]]
@@ -384,6 +384,7 @@ class TokenLogprobs:
 
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), most likely first
+    rank: int | None = None  # the token's rank in its distribution (1: the most likely), where computed
 
 
 @dataclass(frozen=True)
@@ -591,3 +592,17 @@ def _logprobs(processed: torch.Tensor, tokens: torch.Tensor, params: list[Sampli
         n = params[i].logprobs or 0
         out[i] = TokenLogprobs(chosen[j], list(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist())))
     return out
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[TokenLogprobs]:
+    """Each row's log-probability of its target token (the prompt token it
+    predicts), its rank, and the row's ``k`` most likely tokens, on the raw
+    distribution (``log_softmax`` of the logits in fp32), as vLLM gives
+    prompt logprobs."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    target = torch.tensor(list(targets), dtype=torch.long, device=logits.device).unsqueeze(1)
+    chosen = logp.gather(1, target)
+    ranks = ((logp > chosen).sum(dim=1) + 1).tolist()
+    top_values, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    values, ids = top_values.tolist(), top_ids.tolist()
+    return [TokenLogprobs(c, list(zip(i, v)), r) for c, i, v, r in zip(chosen.squeeze(1).tolist(), ids, values, ranks)]

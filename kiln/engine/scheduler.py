@@ -11,7 +11,10 @@ output so far, losing nothing.
 
 What it hands the runner is plain data (``ScheduledRequest``): token ids,
 positions, block ids and sampling options, never a ``Request``; a structured
-request's automaton goes with them, for the sampler to read.
+request's automaton goes with them, for the sampler to read. A request that
+asks for its prompt's logprobs names the rows of its chunk whose logits give
+them (``PromptLogprobRows``); they are kept on the request and go out with its
+first token.
 """
 
 from __future__ import annotations
@@ -22,9 +25,21 @@ from dataclasses import dataclass, field
 from kiln.engine.kv_cache_manager import KVCacheManager
 from kiln.engine.outputs import EngineOutput
 from kiln.engine.request import Request, RequestId, RequestStatus, SamplingParams
+from kiln.engine.sampler import TokenLogprobs
 from kiln.engine.structured import TokenConstraint
 
-__all__ = ["ScheduledRequest", "SchedulerOutput", "Scheduler"]
+__all__ = ["PromptLogprobRows", "ScheduledRequest", "SchedulerOutput", "Scheduler"]
+
+
+@dataclass(frozen=True)
+class PromptLogprobRows:
+    """Rows of a chunk whose logits give prompt tokens' logprobs: rows
+    ``first, first + 1, ...`` of the chunk's tokens predict ``targets`` (the
+    prompt tokens after them), with the ``k`` most likely tokens at each."""
+
+    first: int
+    targets: list[int]
+    k: int
 
 
 @dataclass(frozen=True)
@@ -45,6 +60,8 @@ class ScheduledRequest:
     suppressed: tuple[int, ...] = ()
     # what the sampler may pick of a structured request (Request.constraint); read only
     constraint: TokenConstraint | None = None
+    # the chunk's rows whose logits give prompt tokens' logprobs (SamplingParams.prompt_logprobs)
+    prompt_logprobs: PromptLogprobRows | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -72,7 +89,19 @@ def _schedule(req: Request, n: int) -> ScheduledRequest:
         suppressed = (*(() if p.ignore_eos else req.eos_token_ids), *(p.stop_token_ids or ()))
     return ScheduledRequest(req.request_id, req.tokens(start, start + n), start, req.block_ids,
                             p if samples else None, len(req.output_token_ids), history, suppressed,
-                            req.constraint if samples else None)
+                            req.constraint if samples else None, _prompt_rows(req, start, n))
+
+
+def _prompt_rows(req: Request, start: int, n: int) -> PromptLogprobRows | None:
+    """The rows of ``req``'s chunk ``[start, start + n)`` that predict prompt
+    tokens whose logprobs are not computed yet (row ``p`` predicts token ``p + 1``)."""
+    if not req.wants_prompt_logprobs:
+        return None
+    first = max(start, len(req.prompt_logprobs))  # rows before it were computed before a preemption
+    end = min(start + n, len(req.prompt_token_ids) - 1)
+    if first >= end:
+        return None
+    return PromptLogprobRows(first - start, req.prompt_token_ids[first + 1:end + 1], req.params.prompt_logprobs)
 
 
 class Scheduler:
@@ -111,7 +140,8 @@ class Scheduler:
         # A step that had to preempt admits nobody: the cache is already too tight.
         while not out.num_preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            prefix = self.kv.cached_prefix(req)
+            # a prompt's logprobs need its positions computed, cached or not
+            prefix = [] if req.wants_prompt_logprobs else self.kv.cached_prefix(req)
             n = min(req.num_tokens - len(prefix) * self.kv.block_size, budget)
             if not self.kv.allocate(req, prefix, len(prefix) * self.kv.block_size + n):
                 break
@@ -144,27 +174,33 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[EngineOutput]:
+    def update(self, out: SchedulerOutput, sampled: list[int],
+               prompt_logprobs: dict[RequestId, list[TokenLogprobs]] | None = None) -> list[EngineOutput]:
         """Advance every scheduled request; append the sampled tokens (one per
         sampling request, in schedule order) and finish requests that hit a stop
-        condition known from token ids alone. Returns what each sampling request
-        gained."""
+        condition known from token ids alone. ``prompt_logprobs`` holds those
+        of the rows each ``PromptLogprobRows`` named; a request's first token
+        carries all of its prompt's. Returns what each sampling request gained."""
         outputs = []
         tokens = iter(sampled)
         for s in out.scheduled:
             req = self.requests[s.request_id]
             req.num_computed_tokens += s.num_tokens
             self.kv.cache_full_blocks(req)
+            if s.prompt_logprobs is not None:
+                req.prompt_logprobs.extend((prompt_logprobs or {})[s.request_id])
             if s.sampling is None:
                 continue
             token = next(tokens)
+            first = not req.output_token_ids and req.params.prompt_logprobs is not None
             req.output_token_ids.append(token)
             if req.constraint is not None:
                 req.constraint.advance(token)
             reason = self._stop_reason(req, token)
             if reason is not None:
                 self.finish(req.request_id, reason)
-            outputs.append(EngineOutput(req.request_id, [token], reason))
+            outputs.append(EngineOutput(req.request_id, [token], reason,
+                                        prompt_logprobs=[None, *req.prompt_logprobs] if first else None))
         return outputs
 
     def _stop_reason(self, req: Request, token: int) -> str | None:

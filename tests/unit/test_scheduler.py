@@ -68,3 +68,61 @@ def test_a_cached_prefix_is_not_computed_again() -> None:
     assert starts[1] == (8, 2)  # two blocks hit: only the tail is computed, and the budget pays for it alone
     assert second.block_ids[:2] == first.block_ids[:2]
     assert kv.stats.queries == 10 + 10 and kv.stats.hits == 8
+
+
+def _rows(out) -> list:
+    return [(s.request_id, s.prompt_logprobs and (s.prompt_logprobs.first, s.prompt_logprobs.targets))
+            for s in out.scheduled]
+
+
+def test_prompt_logprob_rows_cover_each_prompt_token_once_over_chunks_and_a_preemption() -> None:
+    """Row p predicts prompt token p + 1: chunks name their rows, the last
+    prompt row (which samples) names none, and after a preemption the
+    recomputed rows are not asked for again; the first token carries them all."""
+    from kiln.engine.sampler import TokenLogprobs
+
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=True)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=4, max_model_len=64)
+    req = Request(0, [10, 11, 12, 13, 14, 15, 16, 17, 18, 19],
+                  SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=1))
+    sched.add(req)
+
+    def step(out, sampled=()) -> list:
+        got = {s.request_id: [TokenLogprobs(-float(t), [(t, -float(t))]) for t in s.prompt_logprobs.targets]
+               for s in out.scheduled if s.prompt_logprobs is not None}
+        return sched.update(out, list(sampled), got)
+
+    out = sched.schedule()
+    assert _rows(out) == [(0, (0, [11, 12, 13, 14]))]
+    step(out)
+    out = sched.schedule()
+    assert _rows(out) == [(0, (0, [15, 16, 17, 18]))]
+    step(out)
+    sched._preempt(sched.running.pop())  # as the scheduler preempts it: recomputed from the start
+    out = sched.schedule()
+    assert out.scheduled[0].start == 0 and _rows(out) == [(0, None)]  # rows 0-3 were computed before
+    step(out)
+    sched.update(sched.schedule(), [], {})  # rows 4-7 were computed too
+    out = sched.schedule()
+    assert [(s.start, s.num_tokens) for s in out.scheduled] == [(8, 2)] and _rows(out) == [(0, (0, [19]))]
+    first = step(out, [7])[0]
+    assert first.prompt_logprobs[0] is None
+    assert [lp.logprob for lp in first.prompt_logprobs[1:]] == [-float(t) for t in range(11, 20)]
+    out = sched.schedule()
+    assert _rows(out) == [(0, None)]
+    assert step(out, [8])[0].prompt_logprobs is None  # only the first token carries them
+
+
+def test_a_request_for_prompt_logprobs_does_not_read_the_prefix_cache() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    first = _request(0, 10)
+    sched.add(first)
+    sched.update(sched.schedule(), [1])
+    wants = Request(1, list(first.prompt_token_ids), SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=0))
+    plain = _request(2, 10)
+    sched.add(wants)
+    sched.add(plain)
+    out = sched.schedule()
+    assert [(s.request_id, s.start) for s in out.scheduled] == [(0, 10), (1, 0), (2, 8)]
+    assert out.scheduled[1].prompt_logprobs.targets == first.prompt_token_ids[1:]

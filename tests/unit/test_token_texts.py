@@ -59,18 +59,18 @@ def test_logprob_tokens_keep_their_leading_space_in_context() -> None:
     SentencePiece word start decoded alone would lose its space, and a
     completion's tokens would no longer add up to its text."""
     from kiln.engine.detokenizer import token_texts_after
-    from kiln.entrypoints.openai.serving import OpenAIServing
+    from kiln.entrypoints.openai.logprobs import LogprobFormatter
 
     spm = _sentencepiece_tokenizer()
     ids = spm.encode('{"a": 1}', add_special_tokens=False)
     assert spm.decode([ids[-2]]) == "1"  # "\u25811" alone
-    contexts = OpenAIServing._contexts([], ids)
+    contexts = LogprobFormatter.contexts([], ids)
     texts = [token_texts_after(spm, ctx, [t])[0] for ctx, t in zip(contexts, ids)]
     assert texts[-2] == " 1" and "".join(texts) == spm.decode(ids)
-    assert OpenAIServing._contexts([7, 8], [1, 2]) == [[7, 8], [7, 8, 1]]
+    assert LogprobFormatter.contexts([7, 8], [1, 2]) == [[7, 8], [7, 8, 1]]
     byte_level = _byte_level_tokenizer()
     ids = byte_level.encode("😀 ok", add_special_tokens=False)
-    contexts = OpenAIServing._contexts([], ids)
+    contexts = LogprobFormatter.contexts([], ids)
     assert [token_texts_after(byte_level, ctx, [t])[0] for ctx, t in zip(contexts, ids)][-1] == (
         byte_level.decode(ids[-1:]))
     # a position's token and its alternatives share the context: " 1" and "}" after the same tokens

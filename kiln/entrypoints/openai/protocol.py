@@ -70,11 +70,12 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None  # requests with different salts never share cached KV blocks
     response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object"}
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and this many top ones there
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0 only with echo: the prompt alone
     logprobs: int | None = None
     echo: bool = False
 
@@ -105,7 +106,7 @@ def _check_common(req: _SamplingFields) -> None:
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, defaults: SamplingParams, max_tokens: int,
-                    logprobs: int | None) -> SamplingParams:
+                    logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     """kiln's SamplingParams for ``req``: the request's fields over the model's
     generation defaults. Raises APIError (400) naming the bad field."""
     _check_common(req)
@@ -117,7 +118,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, defaults: Sa
     if req.response_format is not None:
         given["structured"] = _structured(req.response_format)
     params = SamplingParams(**{**vars(defaults), **given, "max_tokens": max_tokens, "ignore_eos": req.ignore_eos,
-                               "logprobs": logprobs})
+                               "logprobs": logprobs, "prompt_logprobs": prompt_logprobs})
     try:
         params.validate("request")
     except ValueError as e:

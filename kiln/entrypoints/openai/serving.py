@@ -21,11 +21,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kiln.engine.outputs import StreamDelta, TokenLogprobs
-from kiln.engine.detokenizer import token_bytes, token_texts_after
 from kiln.engine.request import SamplingParams
 from kiln.engine.structured import structured_shape
 from kiln.entrypoints.async_engine import AsyncEngine, RequestTimes
 from kiln.entrypoints.chat import render_chat
+from kiln.entrypoints.openai.logprobs import LogprobFormatter
 from kiln.entrypoints.openai.metrics import ServerMetrics
 from kiln.entrypoints.openai.protocol import (
     APIError,
@@ -51,34 +51,31 @@ class Choice:
     prompt_text: str | None
     params: SamplingParams
     cache_salt: str | None = None
+    # completions' echo with max_tokens=0: the prompt alone; the one token generated is not shown
+    echo_only: bool = False
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # SamplingParams.prompt_logprobs
     finish_reason: str | None = None
 
-    def add(self, delta: StreamDelta) -> None:
+    def add(self, delta: StreamDelta) -> StreamDelta:
+        """Record ``delta``; return what of it the client sees."""
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        if self.echo_only:
+            delta = replace(delta, text="", token_ids=[], logprobs=[] if delta.logprobs is not None else None)
         self.text += delta.text
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs or []
         self.finish_reason = delta.finish_reason or self.finish_reason
+        return delta
 
 
 def _usage(choices: list[Choice]) -> dict[str, int]:
     prompts = {id(c.prompt_ids): len(c.prompt_ids) for c in choices}  # n choices share their prompt
     prompt, completion = sum(prompts.values()), sum(len(c.token_ids) for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-# tokens of context for a logprob token's text (detokenizer.token_texts_after takes its last few)
-_CONTEXT = 6
-
-# What a log-probability of -inf (a token the filters removed) is sent as: JSON has no infinity, and vLLM
-# sends this number
-LOGPROB_FLOOR = -9999.0
-
-
-def _json_logprob(value: float) -> float:
-    return max(value, LOGPROB_FLOOR)
 
 
 def sse(payload: dict[str, Any] | str) -> str:
@@ -106,6 +103,7 @@ class OpenAIServing:
         if reasoning_parser is not None:
             reasoning_stream(reasoning_parser)  # an unknown name fails here, not at the first request
         self.max_model_len = engine.config.max_model_len
+        self.logprobs = LogprobFormatter(engine.tokenizer)
         self.defaults = SamplingParams(**{k: v for k, (v, _) in engine.config.sampling_defaults.items()})
 
     # ------------------------------------------------------------------ shared
@@ -148,9 +146,9 @@ class OpenAIServing:
         try:
             async for delta in self.engine.generate(choice.prompt_ids, choice.params, prompt=choice.prompt_text,
                                                     times=times, cache_salt=choice.cache_salt):
-                choice.add(delta)
+                seen = choice.add(delta)
                 if queue is not None:
-                    queue.put_nowait((choice, delta))
+                    queue.put_nowait((choice, seen))
         finally:  # a client that went away counts as an abort
             self.metrics.record_request(times, len(choice.prompt_ids), len(choice.token_ids),
                                         choice.finish_reason or "abort")
@@ -182,29 +180,6 @@ class OpenAIServing:
                 t.cancel()
             done.cancel()
 
-    def _position_texts(self, prior: list[int], token_ids: list[int],
-                        lps: list[TokenLogprobs]) -> list[list[str]]:
-        """At each position of ``token_ids`` (which follow ``prior``), the text
-        of its token then of each alternative in ``lps``, as logprobs name them:
-        after the tokens before that position (its context decoded once)."""
-        tokenizer = self.engine.tokenizer
-        out = []
-        for ctx, t, lp in zip(self._contexts(prior, token_ids), token_ids, lps):
-            ids = [t, *(i for i, _ in lp.top)]
-            out.append(token_texts_after(tokenizer, ctx, ids) if tokenizer is not None else [str(i) for i in ids])
-        return out
-
-    @staticmethod
-    def _contexts(prior: list[int], token_ids: list[int]) -> list[list[int]]:
-        """The tokens before each of ``token_ids`` (``prior``: all before the first), the last few of them."""
-        ids = prior[-_CONTEXT:] + token_ids
-        start = len(ids) - len(token_ids)
-        return [ids[max(0, start + i - _CONTEXT):start + i] for i in range(len(token_ids))]
-
-    def _token_bytes(self, token_id: int) -> bytes:
-        tokenizer = self.engine.tokenizer
-        return token_bytes(tokenizer, token_id) if tokenizer is not None else str(token_id).encode("utf-8")
-
     # ------------------------------------------------------------------ completions
     def _completion_prompts(self, req: CompletionRequest) -> list[tuple[list[int], str | None]]:
         prompt = req.prompt
@@ -224,32 +199,39 @@ class OpenAIServing:
         return out
 
     def completion_choices(self, req: CompletionRequest) -> list[Choice]:
+        """One choice per prompt times ``n``. With ``echo`` and ``logprobs`` the
+        prompt's logprobs are computed too (``prompt_logprobs``, as vLLM does);
+        ``echo`` with ``max_tokens=0`` returns the prompt alone (one token is
+        generated and not shown)."""
         self.check_model(req.model)
-        if req.echo and req.logprobs is not None:
-            raise APIError("echo with logprobs (prompt logprobs) is not supported", param="echo")
+        echo_only = req.echo and req.max_tokens == 0
         prompts = self._completion_prompts(req)
-        max_tokens = max(self._fits(ids, req.max_tokens) for ids, _ in prompts)
-        params = sampling_params(req, self.defaults, max_tokens, req.logprobs)
-        return self._choices(prompts, params, req.n, req.cache_salt)
-
-    def _completion_logprobs(self, choice_lps: list[TokenLogprobs], token_ids: list[int], offset: int,
-                             prior: list[int]) -> dict:
-        """Logprobs of ``token_ids``, which follow the tokens ``prior``; the
-        first starts at character ``offset`` of the choice's text."""
-        texts = self._position_texts(prior, token_ids, choice_lps)
-        tokens = [t[0] for t in texts]
-        offsets = []
-        for tok in tokens:
-            offsets.append(offset)
-            offset += len(tok)
-        top = [{text: _json_logprob(v) for text, (_, v) in zip(t[1:], lp.top)} for t, lp in zip(texts, choice_lps)]
-        return {"tokens": tokens, "token_logprobs": [_json_logprob(lp.logprob) for lp in choice_lps],
-                "top_logprobs": top, "text_offset": offsets}
+        max_tokens = max(self._fits(ids, 1 if echo_only else req.max_tokens) for ids, _ in prompts)
+        prompt_k = req.prompt_logprobs if req.prompt_logprobs is not None else req.logprobs if req.echo else None
+        params = sampling_params(req, self.defaults, max_tokens, req.logprobs, prompt_k)
+        choices = self._choices(prompts, params, req.n, req.cache_salt)
+        return [replace(c, echo_only=True) for c in choices] if echo_only else choices
 
     def _echo(self, choice: Choice, echo: bool) -> str:
         if not echo:
             return ""
         return choice.prompt_text if choice.prompt_text is not None else self.engine.tokenizer.decode(choice.prompt_ids)
+
+    def _echo_logprobs(self, choice: Choice) -> dict[str, list[Any]]:
+        """Completions' logprobs of an echoed prompt: its first token has none."""
+        lps = choice.prompt_logprobs or [None] * len(choice.prompt_ids)
+        return self.logprobs.completion(lps, choice.prompt_ids, 0, [])
+
+    def _completion_choice(self, c: Choice, echo: bool) -> dict[str, Any]:
+        echoed = self._echo(c, echo)
+        out: dict[str, Any] = {"index": c.index, "text": echoed + c.text, "finish_reason": c.finish_reason,
+                               "logprobs": None}
+        if c.params.logprobs is not None:
+            lps = self.logprobs.completion(c.logprobs, c.token_ids, len(echoed), c.prompt_ids)
+            out["logprobs"] = self.logprobs.joined(self._echo_logprobs(c), lps) if echo else lps
+        if c.prompt_logprobs is not None:  # vLLM's field
+            out["prompt_logprobs"] = self.logprobs.prompt(c.prompt_logprobs, c.prompt_ids)
+        return out
 
     async def completions(self, req: CompletionRequest) -> dict[str, Any]:
         created = int(time.time())  # when the request came, as OpenAI and vLLM stamp it, not when it finished
@@ -257,24 +239,26 @@ class OpenAIServing:
         return {
             "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": created,
             "model": self.model_name, "usage": _usage(choices),
-            "choices": [{"index": c.index, "text": self._echo(c, req.echo) + c.text, "finish_reason": c.finish_reason,
-                         "logprobs": self._completion_logprobs(c.logprobs, c.token_ids, len(self._echo(c, req.echo)),
-                                                               c.prompt_ids)
-                         if c.params.logprobs is not None else None} for c in choices],
+            "choices": [self._completion_choice(c, req.echo) for c in choices],
         }
 
     async def completion_stream(self, req: CompletionRequest, choices: list[Choice]) -> AsyncIterator[str]:
+        """An echoed prompt goes out when its choice's first tokens come (with
+        its logprobs, which come with them), then each step's text."""
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
         sent = {c.index: len(self._echo(c, req.echo)) for c in choices}
         tokens_sent = {c.index: 0 for c in choices}
-        for c in choices if req.echo else []:
-            yield sse({**head, "choices": [{"index": c.index, "text": self._echo(c, True), "logprobs": None,
-                                            "finish_reason": None}]})
+        to_echo = {c.index for c in choices} if req.echo else set()
         async for choice, delta in self._stream(choices):
+            if choice.index in to_echo:
+                to_echo.discard(choice.index)
+                lps = self._echo_logprobs(choice) if choice.params.logprobs is not None else None
+                yield sse({**head, "choices": [{"index": choice.index, "text": self._echo(choice, True),
+                                                "logprobs": lps, "finish_reason": None}]})
             before = tokens_sent[choice.index]
-            lps = (self._completion_logprobs(delta.logprobs or [], delta.token_ids, sent[choice.index],
-                                             choice.prompt_ids + choice.token_ids[:before])
+            lps = (self.logprobs.completion(delta.logprobs or [], delta.token_ids, sent[choice.index],
+                                            choice.prompt_ids + choice.token_ids[:before])
                    if choice.params.logprobs is not None else None)
             sent[choice.index] += len(delta.text)
             tokens_sent[choice.index] += len(delta.token_ids)
@@ -307,7 +291,7 @@ class OpenAIServing:
             raise APIError(str(e), param=param) from None
         max_tokens = self._fits(ids, req.max_completion_tokens if req.max_completion_tokens is not None
                                 else req.max_tokens)
-        params = sampling_params(req, self.defaults, max_tokens, chat_logprobs(req))
+        params = sampling_params(req, self.defaults, max_tokens, chat_logprobs(req), req.prompt_logprobs)
         if use.forced:
             params = self._forced(params, use)
         if use.parse and req.skip_special_tokens is None:
@@ -327,15 +311,6 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(f"tools: a function's parameters: {e}", param="tools") from None
         return replace(params, structured=use.schema)
-
-    def _chat_logprobs(self, lps: list[TokenLogprobs], token_ids: list[int], prior: list[int]) -> dict[str, Any]:
-        """Logprobs of ``token_ids``, which follow the tokens ``prior``."""
-        def entry(text: str, token_id: int, logprob: float) -> dict[str, Any]:
-            return {"token": text, "logprob": _json_logprob(logprob), "bytes": list(self._token_bytes(token_id))}
-
-        return {"content": [{**entry(texts[0], t, lp.logprob),
-                             "top_logprobs": [entry(text, i, v) for text, (i, v) in zip(texts[1:], lp.top)]}
-                            for texts, t, lp in zip(self._position_texts(prior, token_ids, lps), token_ids, lps)]}
 
     def _chat_message(self, choice: Choice, use: ToolUse) -> tuple[dict[str, Any], str | None]:
         """A finished choice's message and finish reason: its reasoning split
@@ -364,10 +339,13 @@ class OpenAIServing:
         for c in choices:
             message, reason = self._chat_message(c, use)
             out.append({"index": c.index, "message": message, "finish_reason": reason,
-                        "logprobs": self._chat_logprobs(c.logprobs, c.token_ids, c.prompt_ids)
+                        "logprobs": self.logprobs.chat(c.logprobs, c.token_ids, c.prompt_ids)
                         if c.params.logprobs is not None else None})
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": created,
-                "model": self.model_name, "usage": _usage(choices), "choices": out}
+        response = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": created,
+                    "model": self.model_name, "usage": _usage(choices), "choices": out}
+        if choices[0].prompt_logprobs is not None:  # vLLM's field: the choices share the prompt
+            response["prompt_logprobs"] = self.logprobs.prompt(choices[0].prompt_logprobs, choices[0].prompt_ids)
+        return response
 
     async def chat_stream(self, req: ChatCompletionRequest, choices: list[Choice]) -> AsyncIterator[str]:
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
@@ -382,7 +360,7 @@ class OpenAIServing:
                                             "logprobs": None, "finish_reason": None}]})
         async for choice, delta in self._stream(choices):
             before = tokens_sent[choice.index]
-            lps = (self._chat_logprobs(delta.logprobs or [], delta.token_ids,
+            lps = (self.logprobs.chat(delta.logprobs or [], delta.token_ids,
                                        choice.prompt_ids + choice.token_ids[:before])
                    if choice.params.logprobs is not None else None)
             tokens_sent[choice.index] += len(delta.token_ids)
