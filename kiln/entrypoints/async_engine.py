@@ -68,7 +68,7 @@ class _Collector:
         else:  # the consumer is behind: merge
             logprobs = None if p.logprobs is None else p.logprobs + (delta.logprobs or [])
             self.pending = StreamDelta(p.request_id, p.text + delta.text, p.token_ids + delta.token_ids,
-                                       delta.finish_reason, logprobs)
+                                       delta.finish_reason, logprobs, p.prompt_logprobs or delta.prompt_logprobs)
         self.ready.set()
 
     def fail(self, error: BaseException) -> None:

@@ -4,6 +4,7 @@ consumer, cancellation, and the engine thread dying."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -23,12 +24,13 @@ def _async_engine(**kwargs) -> AsyncEngine:
 
 
 async def _collect(ae: AsyncEngine, prompt: list[int], params: SamplingParams = GREEDY, pause: float = 0.0):
-    tokens, deltas = [], 0
+    tokens, deltas, prompt_logprobs = [], 0, []
     async for delta in ae.generate(prompt, params):
         tokens += delta.token_ids
         deltas += 1
+        prompt_logprobs += [delta.prompt_logprobs] if delta.prompt_logprobs is not None else []
         await asyncio.sleep(pause)  # a slow client
-    return tokens, deltas, delta.finish_reason
+    return tokens, deltas, delta.finish_reason, prompt_logprobs
 
 
 def test_concurrent_and_lagging_consumers_get_all_their_tokens() -> None:
@@ -38,16 +40,18 @@ def test_concurrent_and_lagging_consumers_get_all_their_tokens() -> None:
         try:
             prompts = [[1, 2, 3], [4] * 7, [9, 9]]
             fast = [asyncio.ensure_future(_collect(ae, p)) for p in prompts]
-            slow = asyncio.ensure_future(_collect(ae, [5, 6], pause=0.05))
+            slow = asyncio.ensure_future(_collect(ae, [5, 6], replace(GREEDY, prompt_logprobs=1), pause=0.05))
             return await asyncio.gather(*fast), await slow, ae
         finally:
             ae.shutdown()
 
-    results, (slow_tokens, slow_deltas, reason), ae = asyncio.run(main())
+    results, (slow_tokens, slow_deltas, reason, prompt_logprobs), ae = asyncio.run(main())
     assert [r[0] for r in results] == [expected(p, 12) for p in ([1, 2, 3], [4] * 7, [9, 9])]
     assert all(r[2] == "length" for r in results)
     assert slow_tokens == expected([5, 6], 12) and reason == "length"
     assert slow_deltas < 12  # the lagging consumer got merged deltas, and lost nothing
+    # its prompt's logprobs came once, merged or not
+    assert len(prompt_logprobs) == 1 and prompt_logprobs[0][0] is None and len(prompt_logprobs[0]) == 2
     assert ae.stats.kv_cache_usage == 0.0
 
 

@@ -3,6 +3,8 @@ data out, finish reasons, aborts, preemption and stats."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,6 +28,7 @@ class NextTokenModel(CausalLM):
     def __init__(self) -> None:
         super().__init__()
         self.eye = torch.nn.Parameter(torch.eye(VOCAB), requires_grad=False)
+        self.config = SimpleNamespace(vocab_size=VOCAB)  # what the runner reads of a ModelConfig
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return F.one_hot((input_ids + positions) % VOCAB, VOCAB).float()
