@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -293,7 +294,8 @@ def _serve(args: argparse.Namespace) -> int:
     parse_options(args.model, **options)  # a bad option fails now, not after the port opened
     return serve(args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
                  load_options=options, log_level="info" if args.verbose else "warning", chat_template=template,
-                 tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+                 tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                 api_key=args.api_key or os.environ.get("KILN_API_KEY") or None)
 
 
 def _fetch_demo(args: argparse.Namespace) -> int:
@@ -319,6 +321,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
+    p.add_argument("--api-key", default=None,
+                   help="ask every /v1 request for 'Authorization: Bearer KEY' (401 otherwise; default: "
+                        "$KILN_API_KEY, else none)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="parse the tool calls a chat answer writes into OpenAI's tool_calls when a request offers "

@@ -121,3 +121,19 @@ def test_health_turns_503_after_the_engine_died() -> None:
     state.serving = object()  # type: ignore[assignment]
     r = client.get("/health")
     assert r.status_code == 503 and "boom" in r.text
+
+
+def test_an_api_key_guards_the_v1_paths_and_leaves_the_probes_open() -> None:
+    from fastapi.testclient import TestClient
+
+    from kiln.entrypoints.openai.server import ServerState, build_app
+
+    client = TestClient(build_app(ServerState("stub", ("unused", {}), api_key="s3cret")))  # no lifespan
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        r = client.post("/v1/completions", json={"prompt": [1]}, headers=headers)
+        error = r.json()["error"]
+        assert r.status_code == 401 and error["code"] == 401 and error["type"] == "AuthenticationError"
+        assert client.get("/v1/models", headers=headers).status_code == 401
+    good = {"Authorization": "Bearer s3cret"}
+    assert client.post("/v1/completions", json={"prompt": [1]}, headers=good).status_code == 503  # loading
+    assert client.get("/health").status_code == 503 and client.get("/version").status_code == 200

@@ -34,8 +34,8 @@ class APIError(Exception):
         self.message = message
         self.status = status
         self.param = param
-        self.type = type_ or {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(
-            status, "InternalServerError")
+        self.type = type_ or {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                              503: "ServiceUnavailableError"}.get(status, "InternalServerError")
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}

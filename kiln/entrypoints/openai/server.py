@@ -5,13 +5,17 @@ while ``/health`` answers 503, so probes can tell loading from dead; every other
 endpoint answers 503 until the engine is ready. After an engine death ``/health``
 turns 503 for good. Errors use OpenAI's envelope; validation failures are 400
 (never FastAPI's 422) and name the field; a bad request never reaches the
-scheduler, and the server keeps serving.
+scheduler, and the server keeps serving. With an API key (``--api-key`` or
+``KILN_API_KEY``) every ``/v1`` path asks for ``Authorization: Bearer <key>``,
+as vLLM's ``--api-key`` does; probes (``/health``, ``/metrics``, ``/version``)
+and the tokenizer's paths stay open.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -47,6 +51,7 @@ class ServerState:
     chat_template: str | None = None  # --chat-template: replaces the tokenizer's
     tool_call_parser: str | None = None  # --tool-call-parser: chat answers are parsed for calls
     reasoning_parser: str | None = None  # --reasoning-parser: chat answers' reasoning is split off
+    api_key: str | None = None  # --api-key: the /v1 paths need it as a bearer token
 
     def ready(self) -> OpenAIServing:
         if self.load_error is not None:
@@ -123,8 +128,23 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_exception_handler(APIError, lambda request, exc: _error(exc))  # type: ignore[arg-type,return-value]
     app.add_exception_handler(RequestValidationError, lambda r, exc: _validation_error(exc))  # type: ignore[arg-type,return-value]
     app.add_exception_handler(EngineDeadError, lambda r, exc: _error(APIError(str(exc), status=500)))  # type: ignore[arg-type,return-value]
+    if state.api_key is not None:
+        _require_key(app, state.api_key)
     _routes(app, state)
     return app
+
+
+def _require_key(app: FastAPI, key: str) -> None:
+    expected = f"Bearer {key}".encode()
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next: Any) -> Response:
+        if request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "").encode()
+            if not secrets.compare_digest(given, expected):  # in constant time
+                return _error(APIError("Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
+                                       status=401))
+        return await call_next(request)
 
 
 def _routes(app: FastAPI, state: ServerState) -> None:
@@ -209,11 +229,11 @@ def _generation_routes(app: FastAPI, state: ServerState) -> None:
 
 def serve(model: str, *, host: str, port: int, served_model_name: str | None, load_options: dict[str, Any],
           log_level: str = "info", chat_template: str | None = None, tool_call_parser: str | None = None,
-          reasoning_parser: str | None = None) -> int:
+          reasoning_parser: str | None = None, api_key: str | None = None) -> int:
     """Run the server until interrupted."""
     import uvicorn
 
     state = ServerState(served_model_name or model, (model, load_options), chat_template=chat_template,
-                        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+                        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser, api_key=api_key)
     uvicorn.run(build_app(state), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     return 0
