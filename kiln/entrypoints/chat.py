@@ -82,12 +82,21 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
 
 
 def render_chat(tokenizer: Any, messages: Any, chat_template_kwargs: dict[str, Any] | None = None, *,
-                tools: list[dict[str, Any]] | None = None, chat_template: str | None = None) -> list[int]:
+                tools: list[dict[str, Any]] | None = None, chat_template: str | None = None,
+                add_generation_prompt: bool | None = None, continue_final_message: bool = False) -> list[int]:
     """Token ids of ``messages`` rendered with the chat template (``chat_template``,
     else the tokenizer's) and the assistant's generation prompt, with ``tools``
     (OpenAI's function definitions) offered to the template as ``tools``. The
     rendered text carries its own special tokens, so it is encoded without
-    adding more."""
+    adding more.
+
+    ``continue_final_message`` leaves the last message open (no end-of-turn
+    after it), so that the answer continues it: an assistant reply begun by
+    the caller. It renders no generation prompt; ``add_generation_prompt``
+    (default: unless continuing) may not also be true, as vLLM refuses it."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be true: a continued "
+                         "message is not followed by a new turn")
     checked = validate_messages(messages)
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer, and the model has none")
@@ -96,7 +105,7 @@ def render_chat(tokenizer: Any, messages: Any, chat_template_kwargs: dict[str, A
         raise ValueError("the model's tokenizer has no chat template; use generate() with a plain prompt, "
                          "or give one (--chat-template)")
     kwargs = dict(chat_template_kwargs or {})
-    for reserved in ("tokenize", "add_generation_prompt", "conversation", "chat_template"):
+    for reserved in ("tokenize", "add_generation_prompt", "continue_final_message", "conversation", "chat_template"):
         if reserved in kwargs:
             raise ValueError(f"chat_template_kwargs may not set {reserved!r}")
     if tools:
@@ -107,8 +116,10 @@ def render_chat(tokenizer: Any, messages: Any, chat_template_kwargs: dict[str, A
     from jinja2 import TemplateError
 
     try:
-        text = tokenizer.apply_chat_template(checked, tokenize=False, add_generation_prompt=True,
-                                             chat_template=chat_template, **kwargs)
+        text = tokenizer.apply_chat_template(
+            checked, tokenize=False, add_generation_prompt=not continue_final_message if add_generation_prompt is None
+            else add_generation_prompt, continue_final_message=continue_final_message, chat_template=chat_template,
+            **kwargs)
     except TemplateError as e:  # the template's own raise_exception, or a template that cannot render these
         raise ValueError(f"the chat template refused the messages: {e}") from None
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -296,21 +296,25 @@ class Runtime:
 
     def chat(self, messages: Any, params: SamplingParams | None = None, *,
              chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
-             chat_template: str | None = None) -> RequestOutput:
+             chat_template: str | None = None, continue_final_message: bool = False) -> RequestOutput:
         """Answer a conversation: ``messages`` (``[{"role": "user", "content":
         "..."}, ...]``) rendered by the chat template (``chat_template``, else
         the tokenizer's) with the assistant's generation prompt, ``tools``
-        (OpenAI's function definitions) offered to it. Invalid messages raise
+        (OpenAI's function definitions) offered to it; with
+        ``continue_final_message`` the answer continues the last message (an
+        assistant reply begun by the caller) instead. Invalid messages raise
         ValueError naming the index and field. The answer is text: the calls a
         model writes in it are parsed by ``kiln.entrypoints.openai.tool_parsers``."""
-        ids = render_chat(self.tokenizer, messages, chat_template_kwargs, tools=tools, chat_template=chat_template)
+        ids = render_chat(self.tokenizer, messages, chat_template_kwargs, tools=tools, chat_template=chat_template,
+                          continue_final_message=continue_final_message)
         return self.generate([ids], params)[0]
 
     def stream_chat(self, messages: Any, params: SamplingParams | None = None, *,
                     chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
-                    chat_template: str | None = None) -> Iterator[StreamDelta]:
+                    chat_template: str | None = None, continue_final_message: bool = False) -> Iterator[StreamDelta]:
         """``chat``, streamed as ``stream`` does."""
-        ids = render_chat(self.tokenizer, messages, chat_template_kwargs, tools=tools, chat_template=chat_template)
+        ids = render_chat(self.tokenizer, messages, chat_template_kwargs, tools=tools, chat_template=chat_template,
+                          continue_final_message=continue_final_message)
         return self.stream(ids, params)
 
     def _stream(self, rid: int) -> Iterator[StreamDelta]:

@@ -155,6 +155,15 @@ def test_a_given_template_replaces_the_tokenizers_and_one_without_tools_warns(to
     assert tokenizer.decode(render_chat(tokenizer, messages)) == "<|user|>hi\n<|assistant|>"
 
 
+def test_a_continued_final_message_is_left_open_and_the_generation_prompt_can_be_left_out(tokenizer) -> None:
+    begun = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    assert tokenizer.decode(render_chat(tokenizer, begun, continue_final_message=True)) == (
+        "<|user|>hi\n<|assistant|>Hello, I am")
+    assert tokenizer.decode(render_chat(tokenizer, begun[:1], add_generation_prompt=False)) == "<|user|>hi\n"
+    with pytest.raises(ValueError, match="add_generation_prompt and continue_final_message cannot both be true"):
+        render_chat(tokenizer, begun, add_generation_prompt=True, continue_final_message=True)
+
+
 # ---------------------------------------------------------------- the server's answers
 
 
@@ -322,3 +331,16 @@ def test_forced_calls_that_cannot_be_kept_are_a_400(tokenizer) -> None:
     odd = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}
     r = client.post("/v1/chat/completions", json={**BODY, "tools": [odd], "tool_choice": "required"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools" and "not is not supported" in r.text
+
+
+def test_chat_continues_a_begun_assistant_message(tokenizer) -> None:
+    client, engine = _client(tokenizer, "Paris.", parser=None)
+    body = {"model": "m", "messages": [{"role": "user", "content": "Capital of France?"},
+                                       {"role": "assistant", "content": "It is"}], "continue_final_message": True}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and engine.prompts[-1].endswith("<|assistant|>It is")
+    r = client.post("/v1/chat/completions", json={**body, "add_generation_prompt": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+    tokens = client.post("/tokenize", json={"messages": body["messages"], "continue_final_message": True}).json()
+    assert tokenizer.decode(tokens["tokens"]).endswith("<|assistant|>It is")
+

@@ -87,6 +87,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None  # vLLM's; default: true unless continue_final_message
+    continue_final_message: bool = False  # vLLM's: the answer continues the last message (no new turn)
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

@@ -187,7 +187,9 @@ def _token_routes(app: FastAPI, state: ServerState) -> None:
 
             try:
                 ids = render_chat(tokenizer, body["messages"], body.get("chat_template_kwargs"),
-                                  tools=body.get("tools"), chat_template=state.chat_template)
+                                  tools=body.get("tools"), chat_template=state.chat_template,
+                                  add_generation_prompt=body.get("add_generation_prompt"),
+                                  continue_final_message=bool(body.get("continue_final_message", False)))
             except ValueError as e:
                 raise APIError(str(e), param="messages") from None
         elif isinstance(body.get("prompt"), str):

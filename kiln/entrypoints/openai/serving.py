@@ -285,9 +285,10 @@ class OpenAIServing:
         use = self._tool_use(req)
         try:
             ids = render_chat(self.engine.tokenizer, req.messages, req.chat_template_kwargs, tools=use.tools,
-                              chat_template=self.chat_template)
+                              chat_template=self.chat_template, add_generation_prompt=req.add_generation_prompt,
+                              continue_final_message=req.continue_final_message)
         except ValueError as e:
-            param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
+            param = next((p for p in ("chat_template_kwargs", "continue_final_message") if p in str(e)), "messages")
             raise APIError(str(e), param=param) from None
         max_tokens = self._fits(ids, req.max_completion_tokens if req.max_completion_tokens is not None
                                 else req.max_tokens)
