@@ -24,12 +24,13 @@ def _kiln(args: list[str], cache: Path) -> subprocess.CompletedProcess:
 def test_generate_streams_demo_text_and_summary(demo_tokenizer_dir: Path) -> None:
     cache = demo_tokenizer_dir.parent.parent  # the session's cache dir already holds the demo
     args = ["generate", "--model", "random-demo", "--prompt", "Hello", "--max-tokens", "12", "--ignore-eos", "-v"]
-    eager = _kiln([*args, "-O0"], cache)
+    eager = _kiln([*args, "-O0", "--kv-cache-memory", "6MiB", "--block-size", "8"], cache)
     assert eager.returncode == 0, eager.stderr
     assert eager.stdout.strip()
     assert "kiln: 12 tokens" in eager.stderr and "tok/s" in eager.stderr and "startup" in eager.stderr
     report = json.loads(eager.stderr[eager.stderr.index("{\n") : eager.stderr.index("\n}\n") + 2])
     assert report["optimization_level"] == 0 and report["dynamo_traces"] == 0
+    assert report["config"]["block_size"] == 8 and report["kv_cache_bytes"] <= 6 << 20
     compiled = _kiln([*args, "-O1", "--compile-sizes", "1", "--cudagraph-mode", "PIECEWISE"], cache)
     assert compiled.returncode == 0, compiled.stderr
     report = json.loads(compiled.stderr[compiled.stderr.index("{\n") : compiled.stderr.index("\n}\n") + 2])
@@ -179,6 +180,10 @@ def test_serve_checks_its_options_before_listening(tmp_path: Path) -> None:
     proc = _kiln(["serve", "random-demo", "--max-num-seqs", "0", "--port", "1"], tmp_path)
     assert proc.returncode == 2 and "max_num_seqs must be a positive integer, got 0" in proc.stderr
     assert "Traceback" not in proc.stderr
+    proc = _kiln(["serve", "random-demo", "--gpu-memory-utilization", "2", "--port", "1"], tmp_path)
+    assert proc.returncode == 2 and "gpu_memory_utilization must be in (0, 1], got 2.0" in proc.stderr
+    proc = _kiln(["serve", "random-demo", "--kv-cache-memory", "lots", "--port", "1"], tmp_path)
+    assert proc.returncode == 2 and "'lots' is not a size" in proc.stderr
     proc = _kiln(["serve", "random-demo", "--enable-auto-tool-choice", "--port", "1"], tmp_path)
     assert proc.returncode == 2 and "--enable-auto-tool-choice needs --tool-call-parser" in proc.stderr
     proc = _kiln(["serve", "random-demo", "--chat-template", str(tmp_path / "none.jinja"), "--port", "1"], tmp_path)

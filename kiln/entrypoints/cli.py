@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -44,6 +45,24 @@ def _compilation_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
+_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+
+
+def _byte_size(value: str) -> int:
+    """``4G``, ``512MiB``, ``1.5GB`` or a count of bytes, as an int: K, M, G, T
+    are powers of 1000 and Ki, Mi, Gi, Ti of 1024, with or without ``B``, as
+    vLLM reads its memory sizes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", value, re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a size: bytes, or a number with K, M, G, T, Ki, Mi, "
+                                         "Gi or Ti (4G, 512MiB)")
+    size = int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive size")
+    return size
+
+
 def _add_model_options(p: argparse.ArgumentParser, levels: list[int]) -> None:
     p.add_argument(
         "-O", dest="level", type=int, default=None, choices=levels,
@@ -70,6 +89,12 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"],
                    help="attention kernels (default: $KILN_ATTENTION_BACKEND, else auto: triton on CUDA, torch on CPU)")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-memory", type=_byte_size, default=None, metavar="SIZE",
+                   help="memory for the KV cache: bytes, or with a unit (4G, 512MiB, 1.5GB; default: 2 GiB on CPU, "
+                        "--gpu-memory-utilization of the GPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="the share of GPU memory the model and its KV cache may take, in (0, 1] (default 0.9)")
+    p.add_argument("--block-size", type=int, default=None, help="tokens a KV cache block (default 16)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute shared prompt prefixes instead of reusing their cached KV blocks")
     p.add_argument("--cache-dir", default=None, help="kiln's cache directory")
@@ -147,7 +172,9 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
         quantization=args.quantization, max_num_seqs=getattr(args, "max_num_seqs", None),
         max_num_batched_tokens=args.max_num_batched_tokens,
         cache_dir=args.cache_dir, attention_backend=args.attention_backend,
-        enable_prefix_caching=args.enable_prefix_caching,
+        enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
+        seed=getattr(args, "engine_seed", None),
         compile=args.compile or ("background" if args.command == "serve" else "blocking"),
         **_compilation_overrides(args),
     )
@@ -321,6 +348,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
+    p.add_argument("--seed", dest="engine_seed", type=int, default=None, metavar="N",
+                   help="the engine's seed: sampled requests without a seed of their own draw from it (default 0)")
     p.add_argument("--api-key", default=None,
                    help="ask every /v1 request for 'Authorization: Bearer KEY' (401 otherwise; default: "
                         "$KILN_API_KEY, else none)")
