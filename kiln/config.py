@@ -24,6 +24,7 @@ __all__ = [
     "CUDAGraphSupport",
     "CompilationConfig",
     "EngineConfig",
+    "SpeculativeConfig",
     "SUPPORTED_LEVELS",
     "default_cache_dir",
 ]
@@ -246,6 +247,59 @@ class CompilationConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding by prompt lookup (vLLM's ``"ngram"`` method, what
+    llama.cpp calls lookup decoding): after each step, the longest n-gram
+    (``prompt_lookup_min`` to ``prompt_lookup_max`` tokens) that ends a
+    request's tokens is looked for earlier in its prompt and output, and the
+    up to ``num_speculative_tokens`` tokens that followed it there are run
+    with the next step as drafts; the step's logits keep the drafts the model
+    would have picked, and give one more token (``kiln.engine.speculative``).
+    Greedy requests only: their tokens are the ones plain decoding gives."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    def __post_init__(self) -> None:
+        where = "speculative_config"
+        if self.method != "ngram":
+            raise ValueError(f"{where}.method must be 'ngram' (prompt lookup), got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{where}.{name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"{where}.prompt_lookup_min={self.prompt_lookup_min} exceeds "
+                             f"prompt_lookup_max={self.prompt_lookup_max}")
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """``value`` as a SpeculativeConfig: one already, a dict of its fields
+        (vLLM's ``speculative_config``), its JSON text, or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict of {[f.name for f in fields(cls)]}, got {value!r}")
+        unknown = set(value) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {sorted(unknown)}; known: "
+                             f"{[f.name for f in fields(cls)]}")
+        return cls(**value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The engine sizes a user may set: the scheduler's budgets and the KV cache's
     shape. ``None`` means "derive at load time" from the checkpoint and the memory
@@ -260,6 +314,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     enable_prefix_caching: bool = True
+    # SpeculativeConfig, or what SpeculativeConfig.parse takes (a dict, its JSON); None: no speculation
+    speculative_config: Any = None
 
     DEFAULT_MAX_NUM_SEQS = 64
     DEFAULT_MAX_NUM_SEQS_CUDA = 256
@@ -278,6 +334,7 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         g = self.gpu_memory_utilization
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 < g <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {g!r}")

@@ -64,6 +64,12 @@ def test_greedy_tokens_equal_transformers_on_the_same_file(smollm2, reference, l
     for prompt, out in zip(PROMPTS, outs):
         assert out.prompt_token_ids == rt.tokenizer.encode(prompt)
         assert out.token_ids == reference[prompt], prompt
+    # with speculative decoding the same tokens, fewer steps where the answer copies the prompt
+    spec = Runtime.load(smollm2, optimization_level=level, speculative_config={"num_speculative_tokens": 4})
+    assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == [reference[p] for p in PROMPTS]
+    copy = "Repeat this list: apples, pears, plums, cherries, grapes, lemons.\nList: apples, pears,"
+    copied = spec.generate(copy, GREEDY)[0]
+    assert copied.token_ids == rt.generate(copy, GREEDY)[0].token_ids and spec.stats().num_accepted_tokens > 0
     # the prompt's logprobs, through the compiled LM head at -O2
     ids = outs[0].prompt_token_ids
     scored = rt.generate(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3))[0].prompt_logprobs

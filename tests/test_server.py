@@ -67,7 +67,9 @@ def stop_server(proc: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def server(demo_tokenizer_dir) -> Iterator[str]:
     env = {**os.environ, "KILN_CACHE_DIR": str(demo_tokenizer_dir.parent.parent)}
-    proc, base = start_server([MODEL, "-O0", "--max-num-seqs", "64"], env)
+    # speculation on: every greedy answer below must equal the offline engine's, which has none
+    proc, base = start_server([MODEL, "-O0", "--max-num-seqs", "64", "--speculative-config",
+                               '{"num_speculative_tokens": 3, "prompt_lookup_min": 1}'], env)
     yield base
     stop_server(proc)
 
@@ -348,6 +350,8 @@ def test_32_concurrent_streams_get_the_offline_tokens(server, offline) -> None:
         return await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), timeout=300)
 
     assert asyncio.run(all_of_them()) == expected
+    # the random model's greedy answers repeat themselves: some of these steps ran drafts
+    assert _metrics(server)[("kiln:spec_decode_num_draft_tokens_total", ())] > 0
 
 
 def test_metrics_count_what_was_sent(server, client) -> None:
@@ -373,6 +377,8 @@ def test_metrics_count_what_was_sent(server, client) -> None:
     # the two requests share their prompt: the second finds the first's full blocks
     assert delta("kiln:prefix_cache_queries_total") == sum(o.usage.prompt_tokens for o in out)
     assert delta("kiln:prefix_cache_hits_total") > 0
+    assert 0 <= delta("kiln:spec_decode_num_accepted_tokens_total") <= delta("kiln:spec_decode_num_draft_tokens_total")
+    assert ("kiln:spec_decode_num_draft_tokens_total", ()) in after
 
 
 def test_json_object_responses_are_json(client) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from kiln.cache.keys import cache_factors
-from kiln.config import CompilationConfig, EngineConfig
+from kiln.config import CompilationConfig, EngineConfig, SpeculativeConfig
 from kiln.engine.request import SamplingParams
 from kiln.models import ModelConfig, parse_dtype
 from kiln.models.quant import QUANTIZATION_PLAN_VERSION
@@ -37,6 +37,7 @@ class ResolvedConfig:
     gpu_memory_utilization: float
     seed: int
     enable_prefix_caching: bool
+    speculative: SpeculativeConfig | None  # speculative decoding (prompt lookup), or None
     # RoPE tables cover every position the checkpoint knows, whatever max_model_len
     # is: the table is a graph input, and its shape must not tie compiled code to
     # one engine setting.
@@ -72,6 +73,7 @@ class ResolvedConfig:
             "num_kv_blocks": self.num_kv_blocks,
             "seed": self.seed,
             "enable_prefix_caching": self.enable_prefix_caching,
+            "speculative_config": self.speculative.to_dict() if self.speculative is not None else None,
             "eos_token_ids": list(self.eos_token_ids),
             "sampling_defaults": {k: {"value": v, "source": src} for k, (v, src) in self.sampling_defaults.items()},
             "compilation": self.compilation.to_dict(),

@@ -10,7 +10,6 @@ decide who steps the engine when.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
 
 import torch
 
@@ -127,10 +126,8 @@ class Engine:
                 raise RuntimeError("the scheduler could not place any request in the KV cache")
             return EngineOutputs()
         sampled = self.runner.execute(sched)
-        outputs = self.scheduler.update(sched, sampled.tokens, sampled.prompt_logprobs)
-        if sampled.logprobs is not None:  # one row per sampling request, the order of ``outputs``
-            outputs = [replace(o, logprobs=None if lp is None else [lp]) for o, lp in zip(outputs, sampled.logprobs)]
-        self._generated_tokens += len(sampled.tokens)
+        outputs = self.scheduler.update(sched, sampled.tokens, sampled.logprobs, sampled.prompt_logprobs)
+        self._generated_tokens += sum(len(o.new_token_ids) for o in outputs)
         if self.background is not None:
             self.background.stepped()
         return EngineOutputs(outputs, sched.total_tokens, sched.num_preempted, sched.first_scheduled)
@@ -151,6 +148,8 @@ class Engine:
             generated_tokens=self._generated_tokens,
             prefix_cache_queries=kv.stats.queries,
             prefix_cache_hits=kv.stats.hits,
+            num_draft_tokens=self.scheduler.num_draft_tokens,
+            num_accepted_tokens=self.scheduler.num_accepted_tokens,
             prepare_seconds=run.prepare_seconds,
             model_seconds=run.model_seconds,
             sample_seconds=run.sample_seconds,

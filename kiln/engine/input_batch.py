@@ -64,7 +64,7 @@ class StepShape:
     num_reqs: int
     max_query_len: int
     max_seq_len: int
-    num_samples: int  # requests that sample a token this step
+    num_samples: int  # rows whose tokens are picked: one a sampling request, and one a draft
 
     @property
     def uniform_decode(self) -> bool:
@@ -83,7 +83,7 @@ class InputBatch:
         self.query_start_loc = _Buffer((r + 1,), torch.int32, device)
         self.seq_lens = _Buffer((r,), torch.int32, device)
         self.block_table = _Buffer((r, max_blocks_per_seq), torch.int32, device)
-        self.logits_indices = _Buffer((r,), torch.int64, device)
+        self.logits_indices = _Buffer((t,), torch.int64, device)  # a request's drafts add rows (speculation)
 
     def stage(self, sched: SchedulerOutput) -> StepShape:
         """Write the scheduled step into the host buffers."""
@@ -116,9 +116,13 @@ class InputBatch:
             max_seq = max(max_seq, seq)
             self.query_start_loc.np[i + 1] = end
             max_q = max(max_q, n)
-            if s.sampling is not None:
-                self.logits_indices.np[num_samples] = end - 1
-                num_samples += 1
+            if s.sampling is not None:  # the last token's row, after its drafts' rows when it has some
+                rows = 1 + len(s.draft_token_ids)
+                if rows == 1:
+                    self.logits_indices.np[num_samples] = end - 1
+                else:
+                    self.logits_indices.np[num_samples:num_samples + rows] = np.arange(end - rows, end)
+                num_samples += rows
             offset = end
         self.query_start_loc.np[0] = 0
         return StepShape(offset, num_reqs, max_q, max_seq, num_samples)

@@ -46,6 +46,7 @@ from kiln.engine.core import Engine
 from kiln.engine.detokenizer import vocab_bytes
 from kiln.engine.runner import CaptureReport, ModelRunner
 from kiln.engine.scheduler import Scheduler
+from kiln.engine.speculative import NgramProposer
 from kiln.graphs import CpuCallGraphs, CUDAGraphDispatcher, GraphCapturer, NativeReplay, TorchCUDAGraphs
 from kiln.models import CausalLM, build_model, parse_dtype, parse_model_config
 from kiln.models.memory import collapse_to_huge_pages, zeroed_host_memory
@@ -229,7 +230,7 @@ def resolve_config(source: ModelSource, options: LoadOptions) -> ResolvedConfig:
         max_num_batched_tokens=sizes.max_num_batched_tokens, block_size=sizes.block_size,
         num_kv_blocks=sizes.num_kv_blocks, kv_cache_memory_bytes=user.kv_cache_memory_bytes,
         gpu_memory_utilization=user.gpu_memory_utilization, seed=user.seed,
-        enable_prefix_caching=user.enable_prefix_caching,
+        enable_prefix_caching=user.enable_prefix_caching, speculative=user.speculative_config,
         rope_positions=max(model.max_position_embeddings, sizes.max_model_len), eos_token_ids=eos,
         checkpoint_identity=source.checkpoint.identity(), quantization=_quantization_for(options, source),
         sampling_defaults=sampling_defaults(source.checkpoint.generation_config(),
@@ -392,8 +393,8 @@ def build_engine(config: ResolvedConfig, model: CausalLM, compiled: Any, kv_cach
                  background: BackgroundCompile | None = None, tokenizer: Any = None) -> Engine:
     num_blocks = kv_caches[0].shape[1]
     kv = KVCacheManager(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
-    scheduler = Scheduler(kv, config.max_num_seqs,
-                          config.max_num_batched_tokens, config.max_model_len)
+    proposer = NgramProposer(config.speculative) if config.speculative is not None else None
+    scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len, proposer)
     runner = ModelRunner(
         model, kv_caches, create_attention_backend(config.attention_backend), block_size=config.block_size,
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
@@ -523,6 +524,7 @@ def startup_report(config: ResolvedConfig, engine: Engine, compiled: "CompiledEn
         **_compile_report(compiled.stats if compiled else None),
         "num_kv_blocks": engine.scheduler.kv.num_blocks,
         "enable_prefix_caching": config.enable_prefix_caching,
+        "speculative_config": config.speculative.to_dict() if config.speculative is not None else None,
         "kv_cache_bytes": kv_bytes,
         "max_model_len": config.max_model_len,
     }

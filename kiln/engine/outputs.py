@@ -52,6 +52,8 @@ class EngineStats:
     generated_tokens: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of which were found cached (not computed)
+    num_draft_tokens: int  # speculative decoding: drafts run
+    num_accepted_tokens: int  # of which the model agreed with (each saved a step)
     prepare_seconds: float  # host work to build the step's inputs
     model_seconds: float  # forward and LM head
     sample_seconds: float

@@ -204,6 +204,8 @@ class Request:
     constraint: TokenConstraint | None = None
     # prompt_logprobs: those of prompt tokens 1, 2, ... computed so far (kept over a preemption)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # speculative decoding: tokens proposed to follow its tokens, run with its next step (kiln.engine.speculative)
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -23,7 +23,7 @@ from kiln.config import CUDAGraphMode
 from kiln.engine.input_batch import InputBatch, StepShape
 from kiln.engine.request import RequestId, SamplingParams
 from kiln.engine.sampler import Sampler, SamplerOutput, TokenLogprobs, prompt_logprobs
-from kiln.engine.scheduler import SchedulerOutput
+from kiln.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kiln.engine.structured import TokenConstraint
 from kiln.forward_context import BatchDescriptor, ForwardContext, set_forward_context
 from kiln.graphs import CUDAGraphDispatcher, CUDAGraphWrapper, Dispatch, GraphCapturer, NotCapturable, capture_session
@@ -50,8 +50,9 @@ class RunnerStats:
 @dataclass(frozen=True)
 class RunnerOutput:
     """What a step produced: a token (and its logprobs, when asked) per
-    sampling request in schedule order, and the prompt logprobs of the rows
-    each ``ScheduledRequest.prompt_logprobs`` named, by request."""
+    sampled row in schedule order (a sampling request's, then one per draft
+    it ran), and the prompt logprobs of the rows each
+    ``ScheduledRequest.prompt_logprobs`` named, by request."""
 
     tokens: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
@@ -141,7 +142,7 @@ class ModelRunner:
             hidden = self._run(self._metadata(shape, shape.num_tokens, shape.num_reqs), _unpadded(shape))
         prompt = self._prompt_logprobs(sched, hidden) if any(s.prompt_logprobs for s in sched.scheduled) else None
         rows = hidden[self.inputs.logits_indices.view(shape.num_samples)]
-        sampling = [s for s in sched.scheduled if s.sampling is not None]
+        sampling = _sampled_rows(sched)
         params: list[SamplingParams] = [s.sampling for s in sampling]  # type: ignore[misc]
         suppressed = [s.suppressed for s in sampling]
         constraints = [s.constraint for s in sampling]
@@ -289,6 +290,15 @@ class ModelRunner:
         with set_forward_context(ForwardContext(attn_metadata=None, kv_caches=self.kv_caches)):
             hidden = self.forward(self.inputs.input_ids.device[:n], self.inputs.positions.device[:n])
             self.sampler.workspace.reserve(self.compute_logits(hidden[: self.max_num_seqs]))
+
+
+def _sampled_rows(sched: SchedulerOutput) -> list[ScheduledRequest]:
+    """The request of each row whose token is picked, in row order: a request
+    that runs drafts once for its token's row and once for each draft's."""
+    sampling = [s for s in sched.scheduled if s.sampling is not None]
+    if not any(s.draft_token_ids for s in sampling):
+        return sampling
+    return [s for s in sampling for _ in range(s.num_samples)]
 
 
 def _unpadded(shape: StepShape) -> Dispatch:

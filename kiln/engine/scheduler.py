@@ -14,7 +14,9 @@ positions, block ids and sampling options, never a ``Request``; a structured
 request's automaton goes with them, for the sampler to read. A request that
 asks for its prompt's logprobs names the rows of its chunk whose logits give
 them (``PromptLogprobRows``); they are kept on the request and go out with its
-first token.
+first token. With speculative decoding (a ``proposer``), a decoding request
+runs the drafts proposed after its last step with its next token
+(``draft_token_ids``); ``update`` keeps those the model agrees with.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kiln.engine.kv_cache_manager import KVCacheManager
 from kiln.engine.outputs import EngineOutput
 from kiln.engine.request import Request, RequestId, RequestStatus, SamplingParams
 from kiln.engine.sampler import TokenLogprobs
+from kiln.engine.speculative import NgramProposer, accept, speculates
 from kiln.engine.structured import TokenConstraint
 
 __all__ = ["PromptLogprobRows", "ScheduledRequest", "SchedulerOutput", "Scheduler"]
@@ -62,10 +65,17 @@ class ScheduledRequest:
     constraint: TokenConstraint | None = None
     # the chunk's rows whose logits give prompt tokens' logprobs (SamplingParams.prompt_logprobs)
     prompt_logprobs: PromptLogprobRows | None = None
+    # speculative decoding: the last tokens of token_ids are drafts, each of their rows sampled too
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_samples(self) -> int:
+        """Rows whose tokens are picked: the last token's, and each draft's."""
+        return 0 if self.sampling is None else 1 + len(self.draft_token_ids)
 
 
 @dataclass
@@ -79,7 +89,8 @@ class SchedulerOutput:
         return sum(s.num_tokens for s in self.scheduled)
 
 
-def _schedule(req: Request, n: int) -> ScheduledRequest:
+def _schedule(req: Request, n: int, drafts: list[int] | None = None) -> ScheduledRequest:
+    """``req``'s next ``n`` tokens, then ``drafts`` (its last token is among the ``n``)."""
     start = req.num_computed_tokens
     samples = start + n == req.num_tokens
     p = req.params
@@ -87,9 +98,9 @@ def _schedule(req: Request, n: int) -> ScheduledRequest:
     suppressed: tuple[int, ...] = ()
     if samples and len(req.output_token_ids) < p.min_tokens:
         suppressed = (*(() if p.ignore_eos else req.eos_token_ids), *(p.stop_token_ids or ()))
-    return ScheduledRequest(req.request_id, req.tokens(start, start + n), start, req.block_ids,
+    return ScheduledRequest(req.request_id, req.tokens(start, start + n) + (drafts or []), start, req.block_ids,
                             p if samples else None, len(req.output_token_ids), history, suppressed,
-                            req.constraint if samples else None, _prompt_rows(req, start, n))
+                            req.constraint if samples else None, _prompt_rows(req, start, n), tuple(drafts or ()))
 
 
 def _prompt_rows(req: Request, start: int, n: int) -> PromptLogprobRows | None:
@@ -106,9 +117,11 @@ def _prompt_rows(req: Request, start: int, n: int) -> PromptLogprobRows | None:
 
 class Scheduler:
     def __init__(
-        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+        proposer: NgramProposer | None = None,
     ) -> None:
         self.kv = kv
+        self.proposer = proposer  # speculative decoding's drafts; None: one token a step
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -116,6 +129,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[RequestId, Request] = {}  # every unfinished request
         self.num_preemptions = 0
+        self.num_draft_tokens = 0  # drafts run (speculative decoding)
+        self.num_accepted_tokens = 0  # of which the model agreed with
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -132,10 +147,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._reserve(req, n, out):
+            # drafts ride with a decoding request's one token, as the budget allows
+            drafts = req.draft_token_ids[:budget - n] if n == req.num_tokens - req.num_computed_tokens == 1 else []
+            if not self._reserve(req, n + len(drafts), out):
                 break  # the request itself was preempted: nothing after it is running
-            out.scheduled.append(_schedule(req, n))
-            budget -= n
+            out.scheduled.append(_schedule(req, n, drafts))
+            budget -= n + len(drafts)
             i += 1
         # A step that had to preempt admits nobody: the cache is already too tight.
         while not out.num_preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -174,34 +191,64 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, out: SchedulerOutput, sampled: list[int],
+    def update(self, out: SchedulerOutput, sampled: list[int], logprobs: list[TokenLogprobs | None] | None = None,
                prompt_logprobs: dict[RequestId, list[TokenLogprobs]] | None = None) -> list[EngineOutput]:
         """Advance every scheduled request; append the sampled tokens (one per
-        sampling request, in schedule order) and finish requests that hit a stop
-        condition known from token ids alone. ``prompt_logprobs`` holds those
-        of the rows each ``PromptLogprobRows`` named; a request's first token
-        carries all of its prompt's. Returns what each sampling request gained."""
+        sampled row, in schedule order: a request's drafts' rows after its
+        token's) and finish requests that hit a stop condition known from token
+        ids alone. ``logprobs`` are the rows' (None: no row asked);
+        ``prompt_logprobs`` those of the rows each ``PromptLogprobRows`` named,
+        and a request's first token carries all of its prompt's. Returns what
+        each sampling request gained."""
         outputs = []
-        tokens = iter(sampled)
+        rows = iter(range(len(sampled)))
         for s in out.scheduled:
             req = self.requests[s.request_id]
-            req.num_computed_tokens += s.num_tokens
-            self.kv.cache_full_blocks(req)
             if s.prompt_logprobs is not None:
                 req.prompt_logprobs.extend((prompt_logprobs or {})[s.request_id])
             if s.sampling is None:
+                req.num_computed_tokens += s.num_tokens
+                self.kv.cache_full_blocks(req)
                 continue
-            token = next(tokens)
-            first = not req.output_token_ids and req.params.prompt_logprobs is not None
+            picked = [next(rows) for _ in range(s.num_samples)]
+            tokens = accept(s.draft_token_ids, [sampled[r] for r in picked])
+            # positions whose keys and values hold: the chunk up to the last draft kept (a refused draft's are
+            # overwritten later)
+            req.num_computed_tokens += s.num_tokens - len(s.draft_token_ids) + len(tokens) - 1
+            self.kv.cache_full_blocks(req)
+            self.num_draft_tokens += len(s.draft_token_ids)
+            self.num_accepted_tokens += len(tokens) - 1
+            outputs.append(self._append(req, tokens, [logprobs[r] for r in picked] if logprobs else None))
+        return outputs
+
+    def _append(self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs | None] | None) -> EngineOutput:
+        """Append ``tokens`` to ``req`` up to the first that stops it; then its
+        next drafts, while it runs."""
+        first = not req.output_token_ids and req.params.prompt_logprobs is not None
+        kept, reason = [], None
+        for token in tokens:
             req.output_token_ids.append(token)
+            kept.append(token)
             if req.constraint is not None:
                 req.constraint.advance(token)
             reason = self._stop_reason(req, token)
             if reason is not None:
                 self.finish(req.request_id, reason)
-            outputs.append(EngineOutput(req.request_id, [token], reason,
-                                        prompt_logprobs=[None, *req.prompt_logprobs] if first else None))
-        return outputs
+                break
+        if reason is None and self.proposer is not None:
+            req.draft_token_ids = self._drafts(req)
+        kept_logprobs = None if logprobs is None or logprobs[0] is None else logprobs[:len(kept)]
+        return EngineOutput(req.request_id, kept, reason, kept_logprobs,
+                            prompt_logprobs=[None, *req.prompt_logprobs] if first else None)
+
+    def _drafts(self, req: Request) -> list[int]:
+        """Drafts for ``req``'s next step: none past its budget or the context
+        (a draft kept is a token appended), none for a request that does not
+        speculate."""
+        if not speculates(req):
+            return []
+        room = min(req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - 1
+        return self.proposer.propose(req, room)  # type: ignore[union-attr]
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params
@@ -227,4 +274,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        req.draft_token_ids = []
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
         return req

@@ -95,6 +95,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="the share of GPU memory the model and its KV cache may take, in (0, 1] (default 0.9)")
     p.add_argument("--block-size", type=int, default=None, help="tokens a KV cache block (default 16)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding by prompt lookup, as vLLM takes it: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+                        "(greedy requests; default: off)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute shared prompt prefixes instead of reusing their cached KV blocks")
     p.add_argument("--cache-dir", default=None, help="kiln's cache directory")
@@ -174,7 +178,7 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
         cache_dir=args.cache_dir, attention_backend=args.attention_backend,
         enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
-        seed=getattr(args, "engine_seed", None),
+        seed=getattr(args, "engine_seed", None), speculative_config=args.speculative_config,
         compile=args.compile or ("background" if args.command == "serve" else "blocking"),
         **_compilation_overrides(args),
     )

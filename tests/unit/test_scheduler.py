@@ -90,7 +90,7 @@ def test_prompt_logprob_rows_cover_each_prompt_token_once_over_chunks_and_a_pree
     def step(out, sampled=()) -> list:
         got = {s.request_id: [TokenLogprobs(-float(t), [(t, -float(t))]) for t in s.prompt_logprobs.targets]
                for s in out.scheduled if s.prompt_logprobs is not None}
-        return sched.update(out, list(sampled), got)
+        return sched.update(out, list(sampled), prompt_logprobs=got)
 
     out = sched.schedule()
     assert _rows(out) == [(0, (0, [11, 12, 13, 14]))]
@@ -102,7 +102,7 @@ def test_prompt_logprob_rows_cover_each_prompt_token_once_over_chunks_and_a_pree
     out = sched.schedule()
     assert out.scheduled[0].start == 0 and _rows(out) == [(0, None)]  # rows 0-3 were computed before
     step(out)
-    sched.update(sched.schedule(), [], {})  # rows 4-7 were computed too
+    sched.update(sched.schedule(), [], prompt_logprobs={})  # rows 4-7 were computed too
     out = sched.schedule()
     assert [(s.start, s.num_tokens) for s in out.scheduled] == [(8, 2)] and _rows(out) == [(0, (0, [19]))]
     first = step(out, [7])[0]

@@ -53,6 +53,9 @@ class _EngineCollector(Collector):
             ("kiln:num_preemptions", "Requests preempted (recomputed later).", stats.num_preemptions),
             ("kiln:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
             ("kiln:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
+            ("kiln:spec_decode_num_draft_tokens", "Draft tokens run (speculative decoding).", stats.num_draft_tokens),
+            ("kiln:spec_decode_num_accepted_tokens", "Draft tokens the model agreed with.",
+             stats.num_accepted_tokens),
         ):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self.model], value)
