@@ -255,19 +255,25 @@ class SpeculativeConfig:
     up to ``num_speculative_tokens`` tokens that followed it there are run
     with the next step as drafts; the step's logits keep the drafts the model
     would have picked, and give one more token (``kiln.engine.speculative``).
-    Greedy requests only: their tokens are the ones plain decoding gives."""
+    Greedy requests only: their tokens are the ones plain decoding gives.
+    ``disable_by_batch_size``: no drafts while more requests than this are
+    running or waiting (vLLM's field): a large batch's step is bound by its
+    arithmetic, which every draft row adds to."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         where = "speculative_config"
         if self.method != "ngram":
             raise ValueError(f"{where}.method must be 'ngram' (prompt lookup), got {self.method!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
             value = getattr(self, name)
+            if name == "disable_by_batch_size" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{where}.{name} must be a positive integer, got {value!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:

@@ -143,12 +143,16 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        # drafts only while the batch is small enough (SpeculativeConfig.disable_by_batch_size)
+        limit = self.proposer.max_batch if self.proposer is not None else None
+        drafting = limit is None or len(self.running) + len(self.waiting) <= limit
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             # drafts ride with a decoding request's one token, as the budget allows
-            drafts = req.draft_token_ids[:budget - n] if n == req.num_tokens - req.num_computed_tokens == 1 else []
+            decoding = drafting and n == req.num_tokens - req.num_computed_tokens == 1
+            drafts = req.draft_token_ids[:budget - n] if decoding else []
             if not self._reserve(req, n + len(drafts), out):
                 break  # the request itself was preempted: nothing after it is running
             out.scheduled.append(_schedule(req, n, drafts))

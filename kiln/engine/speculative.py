@@ -60,6 +60,7 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.n_max = config.prompt_lookup_max
         self.n_min = config.prompt_lookup_min
+        self.max_batch = config.disable_by_batch_size  # None: any batch
         self._tokens: dict[RequestId, tuple[np.ndarray, int]] = {}
 
     def propose(self, req: Request, limit: int) -> list[int]:

@@ -119,3 +119,18 @@ def test_a_request_that_samples_gets_no_drafts_and_rows_stay_in_order() -> None:
     assert [s.num_samples for s in step.scheduled] == [4, 1]
     outs = sched.update(step, [8, 0, 0, 0, 3])  # the greedy request's 4 rows, then the sampled one's
     assert [o.new_token_ids for o in outs] == [[8, 0], [3]]
+
+
+def test_no_drafts_while_the_batch_is_larger_than_disable_by_batch_size() -> None:
+    config = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1,
+                               disable_by_batch_size=1)
+    sched = Scheduler(KVCacheManager(num_blocks=16, block_size=4, enable_caching=True), 4, 16, 64,
+                      NgramProposer(config))
+    first = Request(0, [5, 6, 7, 8, 5, 6], SamplingParams(max_tokens=10, temperature=0))
+    sched.add(first)
+    sched.update(sched.schedule(), [7])
+    sched.add(Request(1, [1, 2, 3], SamplingParams(max_tokens=10, temperature=0)))
+    assert [s.draft_token_ids for s in sched.schedule().scheduled] == [(), ()]  # two requests: none
+    with pytest.raises(ValueError, match="disable_by_batch_size must be a positive integer"):
+        SpeculativeConfig(disable_by_batch_size=0)
+
