@@ -16,13 +16,14 @@ asks for its prompt's logprobs names the rows of its chunk whose logits give
 them (``PromptLogprobRows``); they are kept on the request and go out with its
 first token. With speculative decoding (a ``proposer``), a decoding request
 runs the drafts proposed after its last step with its next token
-(``draft_token_ids``); ``update`` keeps those the model agrees with.
+(``draft_token_ids``), out of the budget and the blocks the step leaves;
+``update`` keeps those the model agrees with.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kiln.engine.kv_cache_manager import KVCacheManager
 from kiln.engine.outputs import EngineOutput
@@ -89,8 +90,7 @@ class SchedulerOutput:
         return sum(s.num_tokens for s in self.scheduled)
 
 
-def _schedule(req: Request, n: int, drafts: list[int] | None = None) -> ScheduledRequest:
-    """``req``'s next ``n`` tokens, then ``drafts`` (its last token is among the ``n``)."""
+def _schedule(req: Request, n: int) -> ScheduledRequest:
     start = req.num_computed_tokens
     samples = start + n == req.num_tokens
     p = req.params
@@ -98,9 +98,9 @@ def _schedule(req: Request, n: int, drafts: list[int] | None = None) -> Schedule
     suppressed: tuple[int, ...] = ()
     if samples and len(req.output_token_ids) < p.min_tokens:
         suppressed = (*(() if p.ignore_eos else req.eos_token_ids), *(p.stop_token_ids or ()))
-    return ScheduledRequest(req.request_id, req.tokens(start, start + n) + (drafts or []), start, req.block_ids,
+    return ScheduledRequest(req.request_id, req.tokens(start, start + n), start, req.block_ids,
                             p if samples else None, len(req.output_token_ids), history, suppressed,
-                            req.constraint if samples else None, _prompt_rows(req, start, n), tuple(drafts or ()))
+                            req.constraint if samples else None, _prompt_rows(req, start, n))
 
 
 def _prompt_rows(req: Request, start: int, n: int) -> PromptLogprobRows | None:
@@ -143,20 +143,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        # drafts only while the batch is small enough (SpeculativeConfig.disable_by_batch_size)
-        limit = self.proposer.max_batch if self.proposer is not None else None
-        drafting = limit is None or len(self.running) + len(self.waiting) <= limit
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            # drafts ride with a decoding request's one token, as the budget allows
-            decoding = drafting and n == req.num_tokens - req.num_computed_tokens == 1
-            drafts = req.draft_token_ids[:budget - n] if decoding else []
-            if not self._reserve(req, n + len(drafts), out):
+            if not self._reserve(req, n, out):
                 break  # the request itself was preempted: nothing after it is running
-            out.scheduled.append(_schedule(req, n, drafts))
-            budget -= n + len(drafts)
+            out.scheduled.append(_schedule(req, n))
+            budget -= n
             i += 1
         # A step that had to preempt admits nobody: the cache is already too tight.
         while not out.num_preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -174,7 +168,27 @@ class Scheduler:
                 out.first_scheduled.append(req.request_id)
             out.scheduled.append(_schedule(req, n))
             budget -= n
+        if self.proposer is not None:
+            self._add_drafts(out, budget)
         return out
+
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Decoding requests' drafts, with the budget and the free blocks the
+        step left: a draft never delays a prompt or preempts a request. None
+        while the batch is larger than ``SpeculativeConfig.disable_by_batch_size``."""
+        limit = self.proposer.max_batch  # type: ignore[union-attr]
+        if limit is not None and len(self.running) + len(self.waiting) > limit:
+            return
+        for i, s in enumerate(out.scheduled):
+            if budget <= 0:
+                break
+            req = self.requests[s.request_id]
+            if not req.draft_token_ids or s.num_tokens != 1 or s.sampling is None:
+                continue
+            drafts = req.draft_token_ids[:budget]
+            if self.kv.grow(req, s.start + 1 + len(drafts)):
+                out.scheduled[i] = replace(s, token_ids=s.token_ids + drafts, draft_token_ids=tuple(drafts))
+                budget -= len(drafts)
 
     def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Grow ``req``'s blocks to hold ``n`` more tokens, preempting from the back

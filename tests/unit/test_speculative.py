@@ -134,3 +134,18 @@ def test_no_drafts_while_the_batch_is_larger_than_disable_by_batch_size() -> Non
     with pytest.raises(ValueError, match="disable_by_batch_size must be a positive integer"):
         SpeculativeConfig(disable_by_batch_size=0)
 
+
+def test_drafts_never_preempt_another_request() -> None:
+    sched = Scheduler(KVCacheManager(num_blocks=5, block_size=4, enable_caching=False), 4, 16, 20,
+                      _proposer())
+    a = Request(0, [5, 6, 7, 8, 5, 6, 7], SamplingParams(max_tokens=8, temperature=0))
+    b = Request(1, [1, 2, 3, 4, 9, 9, 9, 9], SamplingParams(max_tokens=8, temperature=0))
+    sched.add(a)
+    sched.add(b)
+    sched.update(sched.schedule(), [8, 9])  # 2 blocks each, 1 free
+    assert a.draft_token_ids == [5, 6, 7]
+    # b's next token takes the free block; a's drafts would need another, and b would have been preempted
+    step = sched.schedule()
+    assert step.num_preempted == 0 and step.scheduled[0].draft_token_ids == ()
+    assert step.scheduled[1].draft_token_ids == (9, 9) and sched.kv.num_free == 0  # b's fit in its new block
+
