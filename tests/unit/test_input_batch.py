@@ -71,3 +71,30 @@ def test_the_device_views_are_made_once_and_follow_the_buffers() -> None:
     assert first.seq_lens.tolist() == [6] and first.slot_mapping.tolist() == [3 * BLOCK_SIZE + 1]
     assert inputs.input_ids.view(1).tolist() == [8]
     assert inputs.upload(inputs.stage(SchedulerOutput([])), 2, 2).seq_lens is not first.seq_lens
+
+
+def test_decodes_with_drafts_are_staged_as_one_row_a_token() -> None:
+    """A decode step whose requests carry drafts (speculative decoding) runs as
+    a uniform decode step: each token a row with its request's blocks and the
+    positions up to it as context; every row samples. With a prefill chunk in
+    the step, or more tokens than request rows, the drafts stay a chunk."""
+    greedy = SamplingParams(temperature=0)
+    step = [ScheduledRequest("a", [11, 12, 13], 7, [5, 2, 7], greedy, 3, draft_token_ids=(12, 13)),
+            ScheduledRequest("b", [21], 2, [1], greedy, 0)]
+    inputs = _batch()
+    shape = inputs.stage(SchedulerOutput(step))
+    assert (shape.num_tokens, shape.num_reqs, shape.max_query_len, shape.max_seq_len, shape.num_samples) == (
+        4, 4, 1, 10, 4)
+    assert shape.uniform_decode
+    assert inputs.input_ids.np[:4].tolist() == [11, 12, 13, 21]
+    assert inputs.positions.np[:4].tolist() == [7, 8, 9, 2]
+    assert inputs.seq_lens.np[:4].tolist() == [8, 9, 10, 3]
+    assert inputs.slot_mapping.np[:4].tolist() == [2 * 4 + 3, 7 * 4 + 0, 7 * 4 + 1, 1 * 4 + 2]
+    assert inputs.query_start_loc.np[:5].tolist() == [0, 1, 2, 3, 4]
+    assert inputs.logits_indices.np[:4].tolist() == [0, 1, 2, 3]
+    for row, blocks in enumerate([[5, 2, 7]] * 3 + [[1]]):
+        assert inputs.block_table.np[row, : len(blocks)].tolist() == blocks
+    chunked = [*step, ScheduledRequest("c", [31, 32, 33], 0, [6], greedy, 0)]  # a prompt: the drafts stay a chunk
+    shape = inputs.stage(SchedulerOutput(chunked))
+    assert (shape.num_reqs, shape.max_query_len, shape.num_samples) == (3, 3, 5)
+    assert inputs.logits_indices.np[:5].tolist() == [0, 1, 2, 3, 6]
