@@ -121,7 +121,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run the step; one sampled token (and its logprobs, when asked) per
-        sampling request, in schedule order, and the prompt logprobs asked for."""
+        sampled row, in schedule order (a request's drafts' rows after its
+        token's), and the prompt logprobs asked for."""
         t0 = time.perf_counter()
         shape = self.inputs.stage(sched)
         dispatch = self._dispatch(shape)
