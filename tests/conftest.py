@@ -149,6 +149,17 @@ def random_prompts(n: int, lengths: list[int], vocab: int, seed: int = 0) -> lis
 
 
 @pytest.fixture(scope="session")
+def f32_kernel_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The C linear kernel's library built for fp32 alone, as an fp32 model's
+    entry builds it: once a session, for every module that loads it (gcc
+    takes seconds for it)."""
+    from kiln.compiler import cpu_linear
+
+    root = tmp_path_factory.mktemp("inductor-f32")
+    return root / cpu_linear.build(root, {"f32"})
+
+
+@pytest.fixture(scope="session")
 def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
     """One small Llama shared by the scheduler, sampler and error tests."""
     model = build_hf_model("llama")

@@ -126,11 +126,9 @@ class Runtime:
         directory). ``attention_backend`` is ``"auto"`` (Triton on CUDA, torch
         elsewhere), ``"torch"`` or ``"triton"``; left as ``None`` it comes from
         ``KILN_ATTENTION_BACKEND``, else ``"auto"``. ``overrides`` take engine
-        fields (``kv_cache_memory_bytes``, ``gpu_memory_utilization``,
-        ``seed``, ``enable_prefix_caching``, ``speculative_config``: a dict
-        as vLLM takes it, ``{"method": "ngram", "num_speculative_tokens": 4}``,
-        for speculative decoding by prompt lookup, ``kiln.config.
-        SpeculativeConfig``), compilation fields (``compile_sizes``, ``cudagraph_mode``,
+        fields (``kv_cache_memory_bytes``, ``gpu_memory_utilization``, ``seed``,
+        ``speculative_config``: ``{"method": "ngram", ...}`` as vLLM takes it,
+        ``kiln.config.SpeculativeConfig``), compilation fields (``compile_sizes``, ``cudagraph_mode``,
         ``cudagraph_capture_sizes``, ``inductor_options``, ``splitting_ops``),
         ``on_mismatch`` (``"error"``, the default, or ``"recompile"``: what to
         do with a bundle built for another torch, kiln, device or config) and

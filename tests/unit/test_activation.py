@@ -16,11 +16,10 @@ from kiln.compiler import activation, cpu_linear, onednn
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory: pytest.TempPathFactory) -> cpu_linear.CpuLinearKernel:
+def loaded(f32_kernel_library) -> cpu_linear.CpuLinearKernel:
     """The C kernel's library for this machine (fp32 kinds alone: a quicker
     build; the loop is in every build), loaded as the ops' implementation."""
-    root = tmp_path_factory.mktemp("inductor")
-    return cpu_linear.load(root / cpu_linear.build(root, {"f32"}))
+    return cpu_linear.load(f32_kernel_library)
 
 
 def _reference(x: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,9 @@ its op, and the rewrite that puts it into few-token pieces."""
 from __future__ import annotations
 
 import ctypes
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,22 +25,35 @@ from tests.conftest import KERNEL_BUILDS, cpu_flags
 
 
 @pytest.fixture(scope="module")
-def native_kernel(tmp_path_factory: pytest.TempPathFactory) -> cpu_linear.CpuLinearKernel:
-    """The library as kiln builds it for this machine: every kind, with Python's
-    headers where they are installed (one build shared by the tests: each takes
-    seconds)."""
-    root = tmp_path_factory.mktemp("inductor")
-    return cpu_linear.CpuLinearKernel(root / cpu_linear.build(root))
+def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every build of KERNEL_BUILDS, compiled side by side on the machine's
+    cores (gcc takes seconds for each): the library as kiln builds it for
+    this machine (every kind, with Python's headers where they are
+    installed) as ``native``, the others with their flags."""
+    roots = {name: tmp_path_factory.mktemp("inductor") for name, _ in KERNEL_BUILDS}
+
+    def build(item: tuple[str, tuple[str, ...]]) -> tuple[str, Path]:
+        name, flags = item
+        root = roots[name]
+        return name, root / (cpu_linear.build(root) if name == "native" else cpu_linear.SOURCE.build(root, flags))
+
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        return dict(pool.map(build, KERNEL_BUILDS))
+
+
+@pytest.fixture(scope="module")
+def native_kernel(builds: dict[str, Path]) -> cpu_linear.CpuLinearKernel:
+    """The library as kiln builds it for this machine (one build shared by the tests)."""
+    return cpu_linear.CpuLinearKernel(builds["native"])
 
 
 @pytest.fixture(scope="module", params=KERNEL_BUILDS, ids=[name for name, _ in KERNEL_BUILDS])
-def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+def kernel(request: pytest.FixtureRequest, builds: dict[str, Path],
            native_kernel: cpu_linear.CpuLinearKernel) -> cpu_linear.CpuLinearKernel:
     name, flags = request.param
     if name == "native":
         return native_kernel
-    root = tmp_path_factory.mktemp("inductor")
-    built = cpu_linear.CpuLinearKernel(root / cpu_linear.SOURCE.build(root, flags))
+    built = cpu_linear.CpuLinearKernel(builds[name])
     if name == "avx2":
         assert built.isa == "avx2"
     elif name == "no-bf16-dot":
@@ -337,8 +353,9 @@ def test_model_kinds_are_its_linears_and_its_head(dtype, packed, head_dtype, kin
     assert cpu_linear.model_kinds(_model(dtype, packed, head_dtype)) == kinds
 
 
-def test_a_library_built_for_some_kinds_takes_them_and_refuses_the_rest(tmp_path, native_kernel) -> None:
-    fp32 = cpu_linear.CpuLinearKernel(tmp_path / cpu_linear.build(tmp_path, {"f32"}))
+def test_a_library_built_for_some_kinds_takes_them_and_refuses_the_rest(tmp_path, native_kernel,
+                                                                        f32_kernel_library) -> None:
+    fp32 = cpu_linear.CpuLinearKernel(f32_kernel_library)
     assert fp32.kinds == {"f32"} and fp32.policy.kinds == fp32.kinds
     x, w = torch.randn(3, 64), torch.randn(24, 64)
     torch.testing.assert_close(fp32(x, w, None, None, None, "f32"), F.linear(x, w), atol=1e-5, rtol=1e-5)

@@ -16,10 +16,9 @@ AMX = {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"} <= cpu_flags()
 
 
 @pytest.fixture(scope="module")
-def f32_kernel(tmp_path_factory: pytest.TempPathFactory) -> cpu_linear.CpuLinearKernel:
+def f32_kernel(f32_kernel_library) -> cpu_linear.CpuLinearKernel:
     """The library as an fp32 model's entry builds it (fp32 alone)."""
-    root = tmp_path_factory.mktemp("inductor")
-    return cpu_linear.CpuLinearKernel(root / cpu_linear.build(root, {"f32"}))
+    return cpu_linear.CpuLinearKernel(f32_kernel_library)
 
 
 @pytest.fixture(scope="module")

@@ -239,10 +239,9 @@ def test_bf16_weights_get_amx_tiles_before_prepack_returns(amx_kernel, backgroun
 
 
 @pytest.fixture(scope="module")
-def panels_kernel(tmp_path_factory: pytest.TempPathFactory) -> cpu_linear.CpuLinearKernel:
+def panels_kernel(f32_kernel_library) -> cpu_linear.CpuLinearKernel:
     """The C kernel built for fp32 alone (its panels), where this CPU has AVX-512."""
-    root = tmp_path_factory.mktemp("inductor")
-    kernel = cpu_linear.CpuLinearKernel(root / cpu_linear.build(root, {"f32"}))
+    kernel = cpu_linear.CpuLinearKernel(f32_kernel_library)
     if not kernel.panels:
         pytest.skip("the kernel's build for this CPU has no fp32 panels (AVX2)")
     return kernel
