@@ -31,13 +31,15 @@ def test_generate_streams_demo_text_and_summary(demo_tokenizer_dir: Path) -> Non
     report = json.loads(eager.stderr[eager.stderr.index("{\n") : eager.stderr.index("\n}\n") + 2])
     assert report["optimization_level"] == 0 and report["dynamo_traces"] == 0
     assert report["config"]["block_size"] == 8 and report["kv_cache_bytes"] <= 6 << 20
-    compiled = _kiln([*args, "-O1", "--compile-sizes", "1", "--cudagraph-mode", "PIECEWISE"], cache)
+    compiled = _kiln([*args, "-O1", "--compile-sizes", "1", "--cudagraph-mode", "PIECEWISE",
+                      "--speculative-config", '{"num_speculative_tokens": 3, "prompt_lookup_min": 1}'], cache)
     assert compiled.returncode == 0, compiled.stderr
     report = json.loads(compiled.stderr[compiled.stderr.index("{\n") : compiled.stderr.index("\n}\n") + 2])
     assert report["optimization_level"] == 1 and report["dynamo_traces"] == 1
     assert report["compilation"]["compile_sizes"] == [1]
     assert report["cudagraph_mode"] == "NONE"  # resolved on CPU
-    assert compiled.stdout == eager.stdout
+    assert report["speculative_config"]["num_speculative_tokens"] == 3
+    assert compiled.stdout == eager.stdout  # speculation keeps greedy tokens
 
 
 def test_cli_error_is_one_clean_line(tmp_path: Path) -> None:
