@@ -53,8 +53,11 @@ def accept(drafts: Sequence[int], tokens: Sequence[int]) -> list[int]:
 class NgramProposer:
     """Drafts from earlier in a request's own tokens. Each request's tokens
     are kept in a numpy buffer that grows by the tokens it gained since the
-    last call, so a proposal costs a few vector compares over the tokens, not
-    a copy of them (a 2000-token request: about 20 us)."""
+    last call, so a proposal costs one compare over the tokens (to find the
+    earlier places of the last token) and a few over those places, not a copy
+    of the tokens: 14, 22 and 31 us a call at 200, 2000 and 8000 tokens (a
+    500-token vocabulary, so many earlier places; scratch). Taking windows of
+    every n-gram length over the whole sequence took 89-687 us."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
@@ -66,21 +69,30 @@ class NgramProposer:
     def propose(self, req: Request, limit: int) -> list[int]:
         """Up to ``min(k, limit)`` drafts to follow ``req``'s tokens, or none."""
         limit = min(self.k, limit)
-        if limit < 1:
-            return []
         tokens = self._sync(req)
         total = len(tokens)
-        for n in range(min(self.n_max, total - 1), self.n_min - 1, -1):
-            # every earlier window of n tokens (starting before total - n) against the last n
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:total - 1], n)
-            hits = np.flatnonzero((windows == tokens[total - n:]).all(axis=1))
-            if hits.size:
-                # the most recent occurrence followed by ``limit`` tokens (in a loop of period p, the last
-                # one is followed by only p); else the earliest, followed by the most
-                full = hits[hits <= total - limit - n]
-                start = int(full[-1] if full.size else hits[0]) + n
-                return tokens[start:start + limit].tolist()
-        return []
+        if limit < 1 or total < self.n_min + 1:
+            return []
+        # where an earlier token equals the last one: the ends of every earlier match
+        ends = np.flatnonzero(tokens[:total - 1] == tokens[total - 1])
+        if ends.size == 0:
+            return []
+        # how far back each match goes, up to n_max tokens
+        length = np.ones(ends.size, dtype=np.int64)
+        alive = np.ones(ends.size, dtype=bool)
+        for j in range(1, min(self.n_max, total - 1)):
+            alive &= ends >= j
+            alive[alive] = tokens[ends[alive] - j] == tokens[total - 1 - j]
+            length += alive
+        best = length.max()
+        if best < self.n_min:
+            return []
+        ends = ends[length == best]
+        # the most recent match followed by ``limit`` tokens (in a loop of period p, the last one is followed by
+        # only p); else the earliest, followed by the most
+        full = ends[ends <= total - 1 - limit]
+        start = int(full[-1] if full.size else ends[0]) + 1
+        return tokens[start:start + limit].tolist()
 
     def _sync(self, req: Request) -> np.ndarray:
         """``req``'s prompt and output as a numpy view, appended to since the last call."""
