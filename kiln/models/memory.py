@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import functools
 import logging
 import mmap
 import os
 import threading
+import time
 
 import torch
 from torch import nn
@@ -89,16 +91,32 @@ def collapse_to_huge_pages(model: nn.Module) -> threading.Thread | None:
     def run() -> None:
         lowest_priority()
         for offset in range(0, length, _COLLAPSE_CHUNK):
-            error = _madvise(start + offset, min(_COLLAPSE_CHUNK, length - offset), _MADV_COLLAPSE)
+            error = _collapse(start + offset, min(_COLLAPSE_CHUNK, length - offset))
             if error:  # an older kernel (EINVAL), or no huge page to be had: leave it to khugepaged
                 logger.debug("madvise(MADV_COLLAPSE) failed: errno %d; advising MADV_HUGEPAGE", error)
                 _madvise(start, length, _MADV_HUGEPAGE)
+                thread.errno = error  # type: ignore[attr-defined]
                 return
+        thread.errno = 0  # type: ignore[attr-defined]
 
-    # a daemon: collapsing changes no value, and an exit need not wait for it
+    # a daemon: collapsing changes no value, and an exit need not wait for it. ``errno``: the collapse's
+    # outcome once the thread ends (0: every chunk in huge pages), None before
     thread = threading.Thread(target=run, name="kiln-huge-pages", daemon=True)
+    thread.errno = None  # type: ignore[attr-defined]
     thread.start()
     return thread
+
+
+def _collapse(address: int, length: int, tries: int = 3) -> int:
+    """``madvise(MADV_COLLAPSE)``, again after a transient failure (EAGAIN: the
+    kernel could not take the pages' locks or a huge page at that moment, as
+    under another process's allocations); 0 or the last errno."""
+    for attempt in range(tries):
+        error = _madvise(address, length, _MADV_COLLAPSE)
+        if error != errno.EAGAIN:
+            return error
+        time.sleep(0.05 * (attempt + 1))
+    return error
 
 
 def zeroed_host_memory(nbytes: int) -> torch.Tensor:

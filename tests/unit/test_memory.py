@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 import torch
 
 from kiln.models.memory import zeroed_host_memory
@@ -59,7 +61,10 @@ def test_the_weights_block_moves_into_huge_pages_with_its_values() -> None:
     enabled = open("/sys/kernel/mm/transparent_hugepage/enabled").read() if os.path.exists(
         "/sys/kernel/mm/transparent_hugepage/enabled") else "[never]"
     if release >= (6, 1) and "[never]" not in enabled:  # MADV_COLLAPSE's kernels
-        assert _huge_kb(params[0].data_ptr()) >= 2048
+        # the kernel makes huge pages when it has them: the thread says whether it did
+        assert thread.errno in (0, errno.EAGAIN, errno.ENOMEM, errno.EBUSY)
+        if thread.errno == 0:
+            assert _huge_kb(params[0].data_ptr()) >= 2048
 
 
 def test_no_thread_for_parameters_outside_one_block() -> None:
