@@ -219,7 +219,7 @@ class Scheduler:
         and a request's first token carries all of its prompt's. Returns what
         each sampling request gained."""
         outputs = []
-        rows = iter(range(len(sampled)))
+        row = 0  # the first of this request's sampled rows
         for s in out.scheduled:
             req = self.requests[s.request_id]
             if s.prompt_logprobs is not None:
@@ -228,15 +228,16 @@ class Scheduler:
                 req.num_computed_tokens += s.num_tokens
                 self.kv.cache_full_blocks(req)
                 continue
-            picked = [next(rows) for _ in range(s.num_samples)]
-            tokens = accept(s.draft_token_ids, [sampled[r] for r in picked])
+            end = row + s.num_samples
+            tokens = accept(s.draft_token_ids, sampled[row:end])
             # positions whose keys and values hold: the chunk up to the last draft kept (a refused draft's are
             # overwritten later)
             req.num_computed_tokens += s.num_tokens - len(s.draft_token_ids) + len(tokens) - 1
             self.kv.cache_full_blocks(req)
             self.num_draft_tokens += len(s.draft_token_ids)
             self.num_accepted_tokens += len(tokens) - 1
-            outputs.append(self._append(req, tokens, [logprobs[r] for r in picked] if logprobs else None))
+            outputs.append(self._append(req, tokens, logprobs[row:end] if logprobs else None))
+            row = end
         return outputs
 
     def _append(self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs | None] | None) -> EngineOutput:
